@@ -1,0 +1,22 @@
+//! The Tether control plane.
+//!
+//! Data flows one way: a registry backend watches the source of truth
+//! ([`registry`]) and writes whole services into the [`index`]; the index
+//! keeps one latest-state slot per (service, port); each `Destination.Get`
+//! subscriber has its own task that sends the diff between what it last sent
+//! and the slot's current state ([`destination`]). Nothing in that path waits
+//! on a subscriber, so a slow proxy never delays the index or other proxies.
+//!
+//! - [`server`]: wires listeners, the registry, the gRPC services and admin.
+//! - [`policy`]: default answers for the policy APIs, so any
+//!   linkerd2-proxy-api client falls back instead of hanging.
+//! - [`metrics`]: the control plane's Prometheus metrics.
+
+pub mod destination;
+pub mod index;
+pub mod metrics;
+pub mod policy;
+pub mod registry;
+pub mod server;
+
+pub use server::{run, ControlConfig, ControlError};

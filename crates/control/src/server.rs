@@ -1,0 +1,116 @@
+//! Wires the control plane: listeners, registry, index, gRPC and admin.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use linkerd2_proxy_api::destination::destination_server::DestinationServer;
+use linkerd2_proxy_api::inbound::inbound_server_policies_server::InboundServerPoliciesServer;
+use linkerd2_proxy_api::outbound::outbound_policies_server::OutboundPoliciesServer;
+use tether_admin::{announce, Admin, Readiness, Shutdown};
+use tokio::net::TcpListener;
+
+use crate::destination::DestinationService;
+use crate::index::Index;
+use crate::metrics::ControlMetrics;
+use crate::policy::PolicyService;
+use crate::registry::{file::FileRegistry, Registry, LOADED};
+
+#[derive(Clone, Debug)]
+pub struct ControlConfig {
+    pub registry_dir: PathBuf,
+    pub grpc_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub cluster_domain: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("binding {what} listener on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Registry(#[from] crate::registry::RegistryError),
+    #[error("gRPC server: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ControlError> {
+    let l = TcpListener::bind(addr)
+        .await
+        .map_err(|source| ControlError::Bind { what, addr, source })?;
+    announce(what, l.local_addr().unwrap_or(addr));
+    Ok(l)
+}
+
+/// Runs the control plane until `shutdown` fires. Subscriber streams end
+/// cleanly on shutdown so proxies move to another replica.
+pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), ControlError> {
+    if !config.registry_dir.is_dir() {
+        return Err(crate::registry::RegistryError::Directory {
+            path: config.registry_dir.display().to_string(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory"),
+        }
+        .into());
+    }
+    let grpc = bind("grpc", config.grpc_addr).await?;
+    let admin_listener = bind("admin", config.admin_addr).await?;
+
+    let metrics = ControlMetrics::default();
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    let readiness = Readiness::default();
+    readiness.require(LOADED);
+    let index = Index::new(metrics.clone());
+
+    tokio::spawn(tether_admin::serve(
+        admin_listener,
+        Admin {
+            readiness: readiness.clone(),
+            metrics: Arc::new(registry),
+            extra: None,
+        },
+        shutdown.clone(),
+    ));
+
+    let file_registry = FileRegistry::new(&config.registry_dir, metrics.clone());
+    let ready = readiness.clone();
+    let registry_task = tokio::spawn(
+        file_registry.run(index.clone(), Box::new(move || ready.set(LOADED, true))),
+    );
+
+    let destination = DestinationService {
+        index,
+        cluster_domain: config.cluster_domain.clone(),
+        metrics,
+        shutdown: shutdown.clone(),
+    };
+    let policy = PolicyService {
+        shutdown: shutdown.clone(),
+    };
+    let signal = shutdown.clone();
+    let server = tonic::transport::Server::builder()
+        .add_service(DestinationServer::new(destination))
+        .add_service(OutboundPoliciesServer::new(policy.clone()))
+        .add_service(InboundServerPoliciesServer::new(policy))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(grpc),
+            async move { signal.triggered().await },
+        );
+    tokio::select! {
+        res = server => res?,
+        res = registry_task => {
+            match res {
+                Ok(Err(e)) => return Err(e.into()),
+                Ok(Ok(())) => tracing::warn!("registry watch ended"),
+                Err(e) => tracing::error!(error = %e, "registry task failed"),
+            }
+        }
+    }
+    tracing::info!("control plane stopped");
+    Ok(())
+}

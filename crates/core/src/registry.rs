@@ -1,0 +1,319 @@
+//! The registry document model: what a registry file says about services and
+//! their endpoints, and the checks every document must pass.
+//!
+//! A registry file holds one or more YAML documents, each either a
+//! `kind: Service` (the service, its ports and optionally its endpoints) or a
+//! `kind: Endpoints` (more endpoints of a service defined elsewhere, the way a
+//! Kubernetes EndpointSlice adds to a Service). Errors name the document and
+//! the field, so an operator can fix the file without guessing.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::authority::{is_dns_label, ServiceKey};
+
+/// How a service with a global id uses other clusters (reserved for
+/// multicluster; parsed and validated today, not yet acted upon).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum MulticlusterMode {
+    #[default]
+    Balanced,
+    Failover,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortSpec {
+    pub port: u16,
+    /// Opaque ports carry raw TCP: no protocol detection, no HTTP routing.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub opaque: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointSpec {
+    /// Where traffic for this endpoint goes: the workload's proxy inbound
+    /// address when meshed, the workload itself otherwise.
+    pub address: SocketAddr,
+    /// The service port this endpoint serves; absent means every port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    #[serde(default = "yes")]
+    pub ready: bool,
+    /// The workload's TLS identity, e.g.
+    /// `web.demo.serviceaccount.identity.cluster.local`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
+    #[serde(default = "one")]
+    pub weight: u32,
+    /// Whether a Tether (or Linkerd) proxy fronts this endpoint; meshed
+    /// endpoints are reached over HTTP/2 between proxies.
+    #[serde(default = "yes")]
+    pub meshed: bool,
+    /// A name for the workload (pod), used as a metric label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn default_namespace() -> String {
+    "default".to_string()
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceDoc {
+    pub name: String,
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    pub ports: Vec<PortSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<MulticlusterMode>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoints: Vec<EndpointSpec>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointsDoc {
+    /// The name of the service these endpoints belong to.
+    pub service: String,
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    pub endpoints: Vec<EndpointSpec>,
+}
+
+/// One registry document.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Document {
+    Service(ServiceDoc),
+    Endpoints(EndpointsDoc),
+}
+
+impl Document {
+    pub fn service_key(&self) -> ServiceKey {
+        match self {
+            Document::Service(s) => ServiceKey::new(&s.name, &s.namespace),
+            Document::Endpoints(e) => ServiceKey::new(&e.service, &e.namespace),
+        }
+    }
+
+    pub fn endpoints(&self) -> &[EndpointSpec] {
+        match self {
+            Document::Service(s) => &s.endpoints,
+            Document::Endpoints(e) => &e.endpoints,
+        }
+    }
+
+    /// Renders the document as YAML, `kind` first.
+    pub fn to_yaml(&self) -> String {
+        let (kind, body) = match self {
+            Document::Service(s) => ("Service", serde_yaml::to_string(s)),
+            Document::Endpoints(e) => ("Endpoints", serde_yaml::to_string(e)),
+        };
+        format!("kind: {kind}\n{}", body.expect("registry documents always serialize"))
+    }
+}
+
+/// Why a document was rejected. `document` counts from 1 within its file.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("document {document}: {message}")]
+pub struct DocumentError {
+    pub document: usize,
+    pub message: String,
+}
+
+/// Parses every YAML document of one registry file, rejecting the file as a
+/// whole if any document is invalid (a half-valid file is never served).
+pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
+    let mut docs = Vec::new();
+    for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let document = i + 1;
+        let err = |message: String| DocumentError { document, message };
+        let value = serde_yaml::Value::deserialize(de).map_err(|e| err(e.to_string()))?;
+        if value.is_null() {
+            continue; // an empty document, e.g. a trailing `---`
+        }
+        let mut map = match value {
+            serde_yaml::Value::Mapping(m) => m,
+            _ => return Err(err("expected a mapping with a `kind` field".into())),
+        };
+        let kind = map
+            .remove("kind")
+            .ok_or_else(|| err("missing field `kind` (Service or Endpoints)".into()))?;
+        let doc = match kind.as_str() {
+            Some("Service") => serde_yaml::from_value::<ServiceDoc>(map.into())
+                .map(Document::Service)
+                .map_err(|e| err(format!("Service: {e}")))?,
+            Some("Endpoints") => serde_yaml::from_value::<EndpointsDoc>(map.into())
+                .map(Document::Endpoints)
+                .map_err(|e| err(format!("Endpoints: {e}")))?,
+            _ => {
+                return Err(err(format!(
+                    "field `kind`: expected Service or Endpoints, got {}",
+                    serde_yaml::to_string(&kind).unwrap_or_default().trim()
+                )))
+            }
+        };
+        validate(&doc).map_err(err)?;
+        docs.push(doc);
+    }
+    Ok(docs)
+}
+
+/// Checks what serde cannot: names, ports, weights. Messages start with the
+/// field's path.
+pub fn validate(doc: &Document) -> Result<(), String> {
+    let (name_field, name, namespace) = match doc {
+        Document::Service(s) => ("name", &s.name, &s.namespace),
+        Document::Endpoints(e) => ("service", &e.service, &e.namespace),
+    };
+    if !is_dns_label(name) {
+        return Err(format!(
+            "field `{name_field}`: {name:?} is not a valid name (lowercase letters, digits and '-', at most 63)"
+        ));
+    }
+    if !is_dns_label(namespace) {
+        return Err(format!("field `namespace`: {namespace:?} is not a valid namespace"));
+    }
+    if let Document::Service(s) = doc {
+        if s.ports.is_empty() {
+            return Err("field `ports`: a service needs at least one port".into());
+        }
+        let mut seen = BTreeSet::new();
+        for (i, p) in s.ports.iter().enumerate() {
+            if p.port == 0 {
+                return Err(format!("field `ports[{i}].port`: must be 1-65535"));
+            }
+            if !seen.insert(p.port) {
+                return Err(format!("field `ports[{i}].port`: port {} is listed twice", p.port));
+            }
+        }
+        if let Some(g) = &s.global_id {
+            if g.is_empty() {
+                return Err("field `global_id`: must not be empty".into());
+            }
+        }
+        for (i, ep) in s.endpoints.iter().enumerate() {
+            if let Some(port) = ep.port {
+                if !seen.contains(&port) {
+                    return Err(format!(
+                        "field `endpoints[{i}].port`: {port} is not one of the service's ports"
+                    ));
+                }
+            }
+        }
+    }
+    for (i, ep) in doc.endpoints().iter().enumerate() {
+        if ep.address.port() == 0 {
+            return Err(format!("field `endpoints[{i}].address`: port must not be 0"));
+        }
+        if ep.weight == 0 {
+            return Err(format!("field `endpoints[{i}].weight`: must be at least 1"));
+        }
+        if ep.port == Some(0) {
+            return Err(format!("field `endpoints[{i}].port`: must be 1-65535"));
+        }
+        if let Some(id) = &ep.identity {
+            if id.is_empty() || !id.split('.').all(|l| !l.is_empty()) {
+                return Err(format!("field `endpoints[{i}].identity`: {id:?} is not a DNS-like name"));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+kind: Service
+name: web
+namespace: demo
+ports:
+  - port: 8080
+  - port: 5432
+    opaque: true
+endpoints:
+  - address: 127.0.0.1:4143
+    identity: web.demo.serviceaccount.identity.cluster.local
+    zone: a
+---
+kind: Endpoints
+service: web
+namespace: demo
+endpoints:
+  - address: 127.0.0.2:4143
+    ready: false
+    port: 8080
+"#;
+
+    #[test]
+    fn parses_services_and_endpoints() {
+        let docs = parse_documents(GOOD).unwrap();
+        assert_eq!(docs.len(), 2);
+        let Document::Service(s) = &docs[0] else { panic!() };
+        assert!(s.ports[1].opaque);
+        assert_eq!(s.endpoints[0].weight, 1);
+        assert!(s.endpoints[0].ready && s.endpoints[0].meshed);
+        assert_eq!(docs[1].service_key(), ServiceKey::new("web", "demo"));
+        assert!(!docs[1].endpoints()[0].ready);
+    }
+
+    #[test]
+    fn round_trips_through_yaml() {
+        for doc in parse_documents(GOOD).unwrap() {
+            assert_eq!(parse_documents(&doc.to_yaml()).unwrap(), vec![doc]);
+        }
+    }
+
+    fn error_of(text: &str) -> String {
+        parse_documents(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = error_of("kind: Service\nnamespace: demo\nports: [{port: 80}]\n");
+        assert!(e.contains("missing field `name`"), "{e}");
+        let e = error_of("kind: Service\nname: web\nports: [{port: 80}]\nendpoints: [{adress: 1.2.3.4:80}]\n");
+        assert!(e.contains("unknown field `adress`"), "{e}");
+        let e = error_of("kind: Service\nname: web\nports: [{port: 80}]\nendpoints: [{address: nope}]\n");
+        assert!(e.contains("address") || e.contains("socket address"), "{e}");
+        let e = error_of("kind: Service\nname: Web\nports: [{port: 80}]\n");
+        assert!(e.contains("field `name`"), "{e}");
+        let e = error_of("kind: Service\nname: web\nports: []\n");
+        assert!(e.contains("field `ports`"), "{e}");
+        let e = error_of("kind: Service\nname: web\nports: [{port: 80}, {port: 80}]\n");
+        assert!(e.contains("field `ports[1].port`"), "{e}");
+        let e = error_of("kind: Endpoints\nservice: web\nendpoints: [{address: 1.2.3.4:80, weight: 0}]\n");
+        assert!(e.contains("field `endpoints[0].weight`"), "{e}");
+        let e = error_of("kind: Pod\nname: x\n");
+        assert!(e.contains("field `kind`"), "{e}");
+        let e = error_of("name: x\n");
+        assert!(e.contains("missing field `kind`"), "{e}");
+        let e = error_of("kind: Service\nname: web\nports: [{port: 80}]\n---\nkind: Service\nname: [\n");
+        assert!(e.starts_with("document 2"), "{e}");
+    }
+
+    #[test]
+    fn empty_file_is_no_documents() {
+        assert_eq!(parse_documents("").unwrap(), vec![]);
+        assert_eq!(parse_documents("---\n").unwrap(), vec![]);
+    }
+}

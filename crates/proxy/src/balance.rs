@@ -1,0 +1,236 @@
+//! Load balancing: power of two choices over peak-EWMA latency.
+//!
+//! Each endpoint keeps a latency estimate that jumps up at once to any
+//! slower observation (the peak) and decays towards faster ones with time
+//! constant `DECAY`. Its load is that estimate times (requests in flight +
+//! 1), divided by its weight. A pick samples two endpoints at random and
+//! takes the less loaded, which sends most traffic to fast endpoints while
+//! still probing slow ones now and then. Endpoints whose connections are
+//! failing sit out for a backoff while any other endpoint is available.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+use tokio::sync::watch;
+
+use crate::client::EndpointClient;
+use crate::discovery::{Endpoint, Resolution};
+
+const DECAY: Duration = Duration::from_secs(10);
+/// The estimate an endpoint starts with, before any observation.
+const DEFAULT_RTT: Duration = Duration::from_millis(30);
+const FAILURE_BACKOFF: Duration = Duration::from_secs(1);
+
+#[derive(Debug)]
+struct PeakEwma {
+    estimate_ns: f64,
+    last: Instant,
+}
+
+impl PeakEwma {
+    fn new() -> Self {
+        Self {
+            estimate_ns: DEFAULT_RTT.as_nanos() as f64,
+            last: Instant::now(),
+        }
+    }
+
+    fn observe(&mut self, rtt: Duration, now: Instant) {
+        let rtt = rtt.as_nanos() as f64;
+        if rtt > self.estimate_ns {
+            self.estimate_ns = rtt;
+        } else {
+            let elapsed = now.saturating_duration_since(self.last).as_nanos() as f64;
+            let w = (-elapsed / DECAY.as_nanos() as f64).exp();
+            self.estimate_ns = self.estimate_ns * w + rtt * (1.0 - w);
+        }
+        self.last = now;
+    }
+}
+
+// === impl EndpointHandle ===
+
+pub struct EndpointHandle {
+    pub endpoint: Endpoint,
+    pub client: EndpointClient,
+    ewma: Mutex<PeakEwma>,
+    in_flight: AtomicUsize,
+    failing_until: Mutex<Option<Instant>>,
+}
+
+impl EndpointHandle {
+    fn new(endpoint: Endpoint, connect_timeout: Duration) -> Self {
+        Self {
+            client: EndpointClient::new(endpoint.addr, connect_timeout),
+            endpoint,
+            ewma: Mutex::new(PeakEwma::new()),
+            in_flight: AtomicUsize::new(0),
+            failing_until: Mutex::new(None),
+        }
+    }
+
+    pub fn load(&self) -> f64 {
+        let estimate = self.ewma.lock().unwrap().estimate_ns;
+        let pending = self.in_flight.load(Ordering::Relaxed) as f64;
+        estimate * (pending + 1.0) / self.endpoint.weight as f64
+    }
+
+    fn is_failing(&self, now: Instant) -> bool {
+        self.failing_until.lock().unwrap().is_some_and(|t| t > now)
+    }
+
+    pub fn mark_failed(&self) {
+        *self.failing_until.lock().unwrap() = Some(Instant::now() + FAILURE_BACKOFF);
+    }
+
+    /// Counts a request in flight until the guard drops.
+    pub fn start(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self.clone())
+    }
+}
+
+pub struct InFlight(Arc<EndpointHandle>);
+
+impl InFlight {
+    pub fn observe(&self, rtt: Duration) {
+        self.0.ewma.lock().unwrap().observe(rtt, Instant::now());
+        *self.0.failing_until.lock().unwrap() = None;
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+// === impl Balancer ===
+
+struct Inner {
+    rx: watch::Receiver<Resolution>,
+    endpoints: Vec<Arc<EndpointHandle>>,
+}
+
+/// The endpoints of one service, kept in step with its discovery stream.
+pub struct Balancer {
+    inner: Mutex<Inner>,
+    connect_timeout: Duration,
+}
+
+impl Balancer {
+    pub fn new(rx: watch::Receiver<Resolution>, connect_timeout: Duration) -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                rx,
+                endpoints: Vec::new(),
+            }),
+            connect_timeout,
+        }
+    }
+
+    pub fn watch(&self) -> watch::Receiver<Resolution> {
+        self.inner.lock().unwrap().rx.clone()
+    }
+
+    /// The current endpoints, rebuilt if discovery changed. Handles of
+    /// endpoints that stay keep their latency estimate and connections.
+    pub fn endpoints(&self) -> Vec<Arc<EndpointHandle>> {
+        let mut inner = self.inner.lock().unwrap();
+        if inner.rx.has_changed().unwrap_or(false) {
+            let resolved = inner.rx.borrow_and_update().endpoints.clone();
+            let mut old: BTreeMap<SocketAddr, Arc<EndpointHandle>> =
+                inner.endpoints.drain(..).map(|h| (h.endpoint.addr, h)).collect();
+            inner.endpoints = resolved
+                .values()
+                .map(|ep| match old.remove(&ep.addr) {
+                    Some(h) if h.endpoint == *ep => h,
+                    _ => Arc::new(EndpointHandle::new(ep.clone(), self.connect_timeout)),
+                })
+                .collect();
+        }
+        inner.endpoints.clone()
+    }
+}
+
+/// Picks the less loaded of two random endpoints, skipping `exclude` and,
+/// while others remain, endpoints that are failing.
+pub fn pick(endpoints: &[Arc<EndpointHandle>], exclude: &[SocketAddr]) -> Option<Arc<EndpointHandle>> {
+    let now = Instant::now();
+    let candidates: Vec<&Arc<EndpointHandle>> = endpoints
+        .iter()
+        .filter(|h| !exclude.contains(&h.endpoint.addr))
+        .collect();
+    let healthy: Vec<&Arc<EndpointHandle>> = candidates.iter().copied().filter(|h| !h.is_failing(now)).collect();
+    let pool = if healthy.is_empty() { candidates } else { healthy };
+    match pool.len() {
+        0 => None,
+        1 => Some(pool[0].clone()),
+        n => {
+            let mut rng = rand::rng();
+            let a = rng.random_range(0..n);
+            let mut b = rng.random_range(0..n - 1);
+            if b >= a {
+                b += 1;
+            }
+            let (a, b) = (pool[a], pool[b]);
+            Some(if a.load() <= b.load() { a.clone() } else { b.clone() })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn handle(port: u16) -> Arc<EndpointHandle> {
+        Arc::new(EndpointHandle::new(
+            Endpoint {
+                addr: SocketAddr::from(([127, 0, 0, 1], port)),
+                weight: 1,
+                identity: None,
+                meshed: true,
+                opaque: false,
+                labels: BTreeMap::new(),
+            },
+            Duration::from_secs(1),
+        ))
+    }
+
+    #[test]
+    fn peak_ewma_jumps_up_and_decays_down() {
+        let t0 = Instant::now();
+        let mut e = PeakEwma { estimate_ns: 1e6, last: t0 };
+        e.observe(Duration::from_millis(50), t0);
+        assert_eq!(e.estimate_ns, 50e6);
+        e.observe(Duration::from_millis(1), t0 + DECAY);
+        assert!(e.estimate_ns < 50e6 * 0.4 && e.estimate_ns > 1e6, "{}", e.estimate_ns);
+    }
+
+    #[test]
+    fn prefers_the_faster_endpoint() {
+        let (fast, slow) = (handle(1), handle(2));
+        fast.start().observe(Duration::from_millis(1));
+        slow.start().observe(Duration::from_millis(50));
+        let all = vec![fast.clone(), slow.clone()];
+        let to_fast = (0..100).filter(|_| pick(&all, &[]).unwrap().endpoint.addr.port() == 1).count();
+        assert_eq!(to_fast, 100);
+    }
+
+    #[test]
+    fn skips_failing_and_excluded() {
+        let (a, b) = (handle(1), handle(2));
+        a.mark_failed();
+        let all = vec![a.clone(), b.clone()];
+        for _ in 0..20 {
+            assert_eq!(pick(&all, &[]).unwrap().endpoint.addr.port(), 2);
+        }
+        // When every endpoint is failing, one is still tried.
+        assert_eq!(pick(&all, &[b.endpoint.addr]).unwrap().endpoint.addr.port(), 1);
+        assert!(pick(&all, &[a.endpoint.addr, b.endpoint.addr]).is_none());
+    }
+}

@@ -1,0 +1,167 @@
+//! Connections to one endpoint.
+//!
+//! HTTP/2 endpoints (peer proxies, gRPC apps) get one multiplexed connection,
+//! established once however many requests race for it, and re-established
+//! when it closes. HTTP/1 endpoints get a pool: a request takes an idle
+//! connection or opens one, and the connection returns to the pool (bounded)
+//! when its response body is done.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::{BoxFuture, FutureExt, Shared};
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::client::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpStream;
+
+use crate::http::Body;
+
+/// Idle HTTP/1 connections kept per endpoint.
+const MAX_IDLE_H1: usize = 32;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proto {
+    Http1,
+    Http2,
+}
+
+type Connecting = Shared<BoxFuture<'static, Result<http2::SendRequest<Body>, String>>>;
+
+enum H2Slot {
+    Empty,
+    Connecting(Connecting),
+    Ready(http2::SendRequest<Body>),
+}
+
+pub struct EndpointClient {
+    addr: SocketAddr,
+    connect_timeout: Duration,
+    h2: Mutex<H2Slot>,
+    h1_idle: Arc<Mutex<Vec<http1::SendRequest<Body>>>>,
+}
+
+/// A connection ready to carry one request.
+pub enum Connection {
+    H1(http1::SendRequest<Body>, Arc<Mutex<Vec<http1::SendRequest<Body>>>>),
+    H2(http2::SendRequest<Body>),
+}
+
+impl Connection {
+    pub async fn send(self, req: Request<Body>) -> Result<Response<Incoming>, hyper::Error> {
+        match self {
+            Connection::H2(mut s) => s.send_request(req).await,
+            Connection::H1(mut s, pool) => {
+                let rsp = s.send_request(req).await?;
+                // Back to the pool once the response body has been read.
+                tokio::spawn(async move {
+                    if s.ready().await.is_ok() {
+                        let mut idle = pool.lock().unwrap();
+                        if idle.len() < MAX_IDLE_H1 {
+                            idle.push(s);
+                        }
+                    }
+                });
+                Ok(rsp)
+            }
+        }
+    }
+}
+
+pub async fn connect_tcp(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, String> {
+    let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| format!("connect timed out after {timeout:?}"))?
+        .map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
+}
+
+impl EndpointClient {
+    pub fn new(addr: SocketAddr, connect_timeout: Duration) -> Self {
+        Self {
+            addr,
+            connect_timeout,
+            h2: Mutex::new(H2Slot::Empty),
+            h1_idle: Arc::default(),
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub async fn connection(&self, proto: Proto) -> Result<Connection, String> {
+        match proto {
+            Proto::Http1 => self.h1().await,
+            Proto::Http2 => self.h2().await.map(Connection::H2),
+        }
+    }
+
+    async fn h1(&self) -> Result<Connection, String> {
+        loop {
+            let Some(mut s) = self.h1_idle.lock().unwrap().pop() else { break };
+            if s.is_ready() {
+                return Ok(Connection::H1(s, self.h1_idle.clone()));
+            }
+            if !s.is_closed() && s.ready().await.is_ok() {
+                return Ok(Connection::H1(s, self.h1_idle.clone()));
+            }
+        }
+        let stream = connect_tcp(self.addr, self.connect_timeout).await?;
+        let (sender, conn) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "HTTP/1 connection ended");
+            }
+        });
+        Ok(Connection::H1(sender, self.h1_idle.clone()))
+    }
+
+    async fn h2(&self) -> Result<http2::SendRequest<Body>, String> {
+        let connecting = {
+            let mut slot = self.h2.lock().unwrap();
+            match &*slot {
+                H2Slot::Ready(s) if !s.is_closed() => return Ok(s.clone()),
+                H2Slot::Connecting(f) => f.clone(),
+                _ => {
+                    let f = h2_connect(self.addr, self.connect_timeout).boxed().shared();
+                    *slot = H2Slot::Connecting(f.clone());
+                    f
+                }
+            }
+        };
+        let result = connecting.await;
+        let mut slot = self.h2.lock().unwrap();
+        match &result {
+            Ok(s) => {
+                if matches!(&*slot, H2Slot::Connecting(_)) {
+                    *slot = H2Slot::Ready(s.clone());
+                }
+            }
+            Err(_) => *slot = H2Slot::Empty,
+        }
+        result
+    }
+}
+
+async fn h2_connect(addr: SocketAddr, timeout: Duration) -> Result<http2::SendRequest<Body>, String> {
+    let stream = connect_tcp(addr, timeout).await?;
+    let (sender, conn) = http2::Builder::new(TokioExecutor::new())
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, %addr, "HTTP/2 connection ended");
+        }
+    });
+    Ok(sender)
+}

@@ -1,0 +1,48 @@
+//! Errors the proxy answers requests with. Each names the condition, and
+//! becomes the `tether-proxy-error` header of the response.
+
+use std::net::SocketAddr;
+
+use http::StatusCode;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProxyError {
+    #[error("request names no target: send a Host header or an absolute URI")]
+    NoAuthority,
+    #[error("invalid authority {authority:?}: {reason}")]
+    InvalidAuthority { authority: String, reason: String },
+    #[error("unknown service {0}")]
+    UnknownService(String),
+    #[error("control plane unreachable")]
+    ControlPlaneUnreachable,
+    #[error("service in fail-fast")]
+    FailFast,
+    #[error("endpoint {addr} unreachable: {reason}")]
+    Connect { addr: SocketAddr, reason: String },
+    #[error("upstream {addr} failed: {reason}")]
+    Upstream { addr: SocketAddr, reason: String },
+    #[error("app unreachable at {addr}: {reason}")]
+    App { addr: SocketAddr, reason: String },
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::NoAuthority | ProxyError::InvalidAuthority { .. } => StatusCode::BAD_REQUEST,
+            ProxyError::UnknownService(_) | ProxyError::ControlPlaneUnreachable | ProxyError::FailFast => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            ProxyError::Connect { .. } | ProxyError::Upstream { .. } | ProxyError::App { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
+        }
+    }
+
+    /// The gRPC status code for the same condition.
+    pub fn grpc_code(&self) -> u32 {
+        match self {
+            ProxyError::NoAuthority | ProxyError::InvalidAuthority { .. } => 3, // INVALID_ARGUMENT
+            _ => 14,                                                              // UNAVAILABLE
+        }
+    }
+}

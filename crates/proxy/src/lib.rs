@@ -1,0 +1,139 @@
+//! The Tether sidecar proxy.
+//!
+//! Outbound (app → mesh) and inbound (mesh → app) are separate trees that
+//! share the pieces below them:
+//!
+//! - [`outbound`]: the outbound listener. Names the target service by the
+//!   request's authority, resolves it through [`discovery`], picks an endpoint
+//!   with the [`balance`]r and forwards over a pooled [`client`] connection.
+//!   Also the `--upstream` listeners, which pin one service per local port.
+//! - [`inbound`]: the inbound listener. [`detect`]s the protocol on the first
+//!   bytes, and forwards HTTP or opaque TCP to the local app.
+//! - [`discovery`]: one `Destination.Get` stream per authority, shared by
+//!   every connection that uses it, reconnecting with backoff.
+//! - [`balance`]: power of two choices over peak-EWMA latency.
+//! - [`client`]: connections to one endpoint: one multiplexed HTTP/2
+//!   connection, or a bounded pool of HTTP/1 connections.
+//! - [`http`]: what both sides do to HTTP messages (hop-by-hop headers,
+//!   protocol upgrade between proxies, error responses).
+//! - [`serve`]: accept loops with graceful shutdown.
+//! - [`metrics`]: request counts, latency histograms, open connections.
+
+pub mod balance;
+pub mod client;
+pub mod detect;
+pub mod discovery;
+pub mod errors;
+pub mod http;
+pub mod inbound;
+pub mod metrics;
+pub mod outbound;
+pub mod serve;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tether_admin::{announce, Admin, Readiness, Shutdown};
+use tokio::net::TcpListener;
+
+#[derive(Clone, Debug)]
+pub struct ProxyConfig {
+    /// Control-plane gRPC addresses (`host:port`), tried in turn.
+    pub control: Vec<String>,
+    pub outbound: SocketAddr,
+    /// Where the inbound listener binds; it runs only when `app` is set.
+    pub inbound: SocketAddr,
+    pub admin: SocketAddr,
+    /// The local app's address, for inbound traffic.
+    pub app: Option<SocketAddr>,
+    /// Local listeners pinned to one service each: (listen address, authority).
+    pub upstreams: Vec<(SocketAddr, String)>,
+    /// How long a request waits for a service to have an endpoint.
+    pub failfast_timeout: Duration,
+    pub connect_timeout: Duration,
+    /// How long in-flight requests may take to finish on shutdown.
+    pub drain_timeout: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyStartError {
+    #[error("binding {what} listener on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid control-plane address {0:?}: expected host:port")]
+    ControlAddr(String),
+    #[error("no control-plane address given")]
+    NoControl,
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ProxyStartError> {
+    let l = TcpListener::bind(addr)
+        .await
+        .map_err(|source| ProxyStartError::Bind { what, addr, source })?;
+    announce(what, l.local_addr().unwrap_or(addr));
+    Ok(l)
+}
+
+/// Runs the proxy until `shutdown` fires and in-flight work has drained.
+pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxyStartError> {
+    if config.control.is_empty() {
+        return Err(ProxyStartError::NoControl);
+    }
+    let discovery = discovery::Discovery::new(&config.control)?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let metrics = metrics::ProxyMetrics::default();
+    metrics.register(&mut registry);
+
+    let outbound_listener = bind("outbound", config.outbound).await?;
+    let inbound_listener = match config.app {
+        Some(_) => Some(bind("inbound", config.inbound).await?),
+        None => None,
+    };
+    let mut upstream_listeners = Vec::new();
+    for (addr, authority) in &config.upstreams {
+        upstream_listeners.push((bind("upstream", *addr).await?, authority.clone()));
+    }
+    let admin_listener = bind("admin", config.admin).await?;
+
+    let readiness = Readiness::default();
+    tokio::spawn(tether_admin::serve(
+        admin_listener,
+        Admin {
+            readiness,
+            metrics: Arc::new(registry),
+            extra: None,
+        },
+        shutdown.clone(),
+    ));
+
+    let outbound = Arc::new(outbound::Outbound::new(discovery, metrics.clone(), &config));
+    let mut tasks = Vec::new();
+    tasks.push(tokio::spawn(outbound.clone().serve(
+        outbound_listener,
+        shutdown.clone(),
+        config.drain_timeout,
+    )));
+    for (listener, authority) in upstream_listeners {
+        tasks.push(tokio::spawn(outbound.clone().serve_upstream(
+            listener,
+            authority,
+            shutdown.clone(),
+            config.drain_timeout,
+        )));
+    }
+    if let (Some(listener), Some(app)) = (inbound_listener, config.app) {
+        let inbound = Arc::new(inbound::Inbound::new(app, metrics.clone(), &config));
+        tasks.push(tokio::spawn(inbound.serve(listener, shutdown.clone(), config.drain_timeout)));
+    }
+    tokio::spawn(outbound.clone().evict_idle(shutdown.clone()));
+    for t in tasks {
+        let _ = t.await;
+    }
+    tracing::info!("proxy stopped");
+    Ok(())
+}

@@ -1,0 +1,117 @@
+//! The proxy's metrics: requests by authority and status class, response
+//! latency, open connections.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub direction: String,
+    pub authority: String,
+    pub status_class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    pub direction: String,
+    pub authority: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DirectionLabels {
+    pub direction: String,
+}
+
+#[derive(Clone)]
+pub struct LatencyBuckets;
+
+impl MetricConstructor<Histogram> for LatencyBuckets {
+    fn new_metric(&self) -> Histogram {
+        // 0.5 ms to ~6 s in steps of 1.5x.
+        Histogram::new(exponential_buckets(0.0005, 1.5, 24))
+    }
+}
+
+#[derive(Clone)]
+pub struct ProxyMetrics {
+    pub requests: Family<RequestLabels, Counter>,
+    pub latency: Family<RouteLabels, Histogram, LatencyBuckets>,
+    pub open_connections: Family<DirectionLabels, Gauge>,
+    pub tcp_bytes: Family<DirectionLabels, Counter>,
+}
+
+impl Default for ProxyMetrics {
+    fn default() -> Self {
+        Self {
+            requests: Family::default(),
+            latency: Family::new_with_constructor(LatencyBuckets),
+            open_connections: Family::default(),
+            tcp_bytes: Family::default(),
+        }
+    }
+}
+
+impl ProxyMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "tether_proxy_requests",
+            "HTTP requests by direction, authority and response status class (error: no response)",
+            self.requests.clone(),
+        );
+        registry.register(
+            "tether_proxy_response_latency_seconds",
+            "Time from request to response headers",
+            self.latency.clone(),
+        );
+        registry.register(
+            "tether_proxy_open_connections",
+            "Connections currently open, by direction",
+            self.open_connections.clone(),
+        );
+        registry.register(
+            "tether_proxy_tcp_bytes",
+            "Bytes forwarded on opaque TCP connections",
+            self.tcp_bytes.clone(),
+        );
+    }
+
+    pub fn record(&self, direction: &str, authority: &str, class: &str, latency: std::time::Duration) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                direction: direction.into(),
+                authority: authority.into(),
+                status_class: class.into(),
+            })
+            .inc();
+        self.latency
+            .get_or_create(&RouteLabels {
+                direction: direction.into(),
+                authority: authority.into(),
+            })
+            .observe(latency.as_secs_f64());
+    }
+
+    /// Counts a connection as open until the returned guard drops.
+    pub fn connection(&self, direction: &str) -> ConnectionGuard {
+        let g = self
+            .open_connections
+            .get_or_create(&DirectionLabels {
+                direction: direction.into(),
+            })
+            .clone();
+        g.inc();
+        ConnectionGuard(g)
+    }
+}
+
+pub struct ConnectionGuard(Gauge);
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
