@@ -1,1 +1,13 @@
+//! End-to-end tests: real `tether` processes on loopback, ports chosen by
+//! the OS. One file per behaviour; `support` starts processes and speaks
+//! HTTP.
 
+mod support;
+
+mod balancing;
+mod discovery;
+mod drain;
+mod errors;
+mod protocols;
+mod registry;
+mod up;

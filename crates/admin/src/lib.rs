@@ -38,7 +38,10 @@ pub struct Readiness {
 impl Readiness {
     /// Registers a condition that is not met yet.
     pub fn require(&self, condition: impl Into<String>) {
-        self.conditions.lock().unwrap().insert(condition.into(), false);
+        self.conditions
+            .lock()
+            .unwrap()
+            .insert(condition.into(), false);
     }
 
     pub fn set(&self, condition: &str, met: bool) {
@@ -75,7 +78,10 @@ pub struct Shutdown {
 impl Default for Shutdown {
     fn default() -> Self {
         let (tx, rx) = watch::channel(false);
-        Self { tx: Arc::new(tx), rx }
+        Self {
+            tx: Arc::new(tx),
+            rx,
+        }
     }
 }
 
@@ -98,8 +104,9 @@ impl Shutdown {
     pub fn on_signals(&self) {
         let this = self.clone();
         tokio::spawn(async move {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                .expect("SIGTERM handler");
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
             tokio::select! {
                 _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
                 _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received, shutting down"),
@@ -112,7 +119,8 @@ impl Shutdown {
 // === admin listener ===
 
 /// An extra admin route: given the path and query, answers or declines.
-pub type Extra = Arc<dyn Fn(&Method, &str, Option<&str>) -> Option<(StatusCode, String)> + Send + Sync>;
+pub type Extra =
+    Arc<dyn Fn(&Method, &str, Option<&str>) -> Option<(StatusCode, String)> + Send + Sync>;
 
 #[derive(Clone)]
 pub struct Admin {
@@ -178,7 +186,10 @@ fn respond(admin: &Admin, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         "/metrics" => {
             let mut body = String::new();
             if let Err(e) = prometheus_client::encoding::text::encode(&mut body, &admin.metrics) {
-                return text(StatusCode::INTERNAL_SERVER_ERROR, format!("encoding metrics: {e}\n"));
+                return text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("encoding metrics: {e}\n"),
+                );
             }
             let mut rsp = text(StatusCode::OK, body);
             rsp.headers_mut().insert(
@@ -189,7 +200,10 @@ fn respond(admin: &Admin, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             );
             rsp
         }
-        _ => text(StatusCode::NOT_FOUND, format!("no admin endpoint at {path}\n")),
+        _ => text(
+            StatusCode::NOT_FOUND,
+            format!("no admin endpoint at {path}\n"),
+        ),
     }
 }
 

@@ -1,1 +1,272 @@
-fn main() {}
+//! The `tether` binary: parses arguments and wires the library crates
+//! together. No logic lives here.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tether_admin::Shutdown;
+
+#[derive(Parser)]
+#[command(
+    name = "tether",
+    version,
+    about = "Tether service mesh: control plane, sidecar proxy and local mesh"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(0.0..=1e7).contains(&v) {
+        return Err(format!("{s} seconds is out of range"));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+fn parse_upstream(s: &str) -> Result<(SocketAddr, String), String> {
+    let (listen, authority) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected LISTEN_ADDR=AUTHORITY, e.g. 127.0.0.1:5432=db.demo.svc.cluster.local:5432"))?;
+    let listen = listen
+        .parse()
+        .map_err(|_| format!("{listen:?} is not an address (ip:port)"))?;
+    Ok((listen, authority.to_string()))
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the control plane (Destination, policy) over a registry.
+    Control {
+        /// Directory of registry YAML documents, watched for changes.
+        #[arg(long)]
+        registry: PathBuf,
+        /// gRPC listen address (Destination and policy APIs).
+        #[arg(long, default_value = "127.0.0.1:8086")]
+        grpc: SocketAddr,
+        /// Admin listen address (/live, /ready, /metrics).
+        #[arg(long, default_value = "127.0.0.1:9990")]
+        admin: SocketAddr,
+        /// The cluster domain in service names (name.namespace.svc.DOMAIN).
+        #[arg(long, default_value = "cluster.local")]
+        cluster_domain: String,
+    },
+    /// Run the sidecar proxy.
+    Proxy {
+        /// Control-plane gRPC address(es), comma-separated, tried in turn.
+        #[arg(long, value_delimiter = ',', required = true)]
+        control: Vec<String>,
+        /// Outbound listener: the app sends requests for mesh services here.
+        #[arg(long, default_value = "127.0.0.1:4140")]
+        outbound: SocketAddr,
+        /// Inbound listener: peer proxies connect here (runs when --app is set).
+        #[arg(long, default_value = "0.0.0.0:4143")]
+        inbound: SocketAddr,
+        /// Admin listener (/live, /ready, /metrics).
+        #[arg(long, default_value = "127.0.0.1:4191")]
+        admin: SocketAddr,
+        /// The local app's address, where inbound traffic goes.
+        #[arg(long)]
+        app: Option<SocketAddr>,
+        /// A local listener pinned to one service: LISTEN=AUTHORITY (repeatable).
+        /// Opaque TCP when the service port is opaque, HTTP otherwise.
+        #[arg(long, value_parser = parse_upstream)]
+        upstream: Vec<(SocketAddr, String)>,
+        /// Seconds a request waits for a service to have a ready endpoint.
+        #[arg(long, default_value = "3", value_parser = parse_secs)]
+        failfast_timeout: Duration,
+        /// Seconds to wait for a TCP connection to an endpoint.
+        #[arg(long, default_value = "1", value_parser = parse_secs)]
+        connect_timeout: Duration,
+        /// Seconds in-flight requests get to finish on SIGTERM.
+        #[arg(long, default_value = "10", value_parser = parse_secs)]
+        drain_timeout: Duration,
+    },
+    /// Run a whole mesh on this machine from a manifest (the built-in demo without one).
+    Up {
+        /// Manifest file (YAML); see the README for the format.
+        file: Option<PathBuf>,
+        /// Run headless for SECS seconds, print a summary, exit non-zero if no request succeeded.
+        #[arg(long, value_parser = parse_secs)]
+        duration: Option<Duration>,
+        /// Seconds between live traffic reports.
+        #[arg(long, default_value = "2", value_parser = parse_secs)]
+        interval: Duration,
+        /// Print the built-in demo manifest and exit.
+        #[arg(long)]
+        print_demo: bool,
+    },
+    /// Run the demo app (HTTP/1.1, HTTP/2 and gRPC).
+    DemoApp {
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: SocketAddr,
+        #[arg(long, default_value = "demo")]
+        service: String,
+        /// The replica name reported in every answer.
+        #[arg(long, default_value = "demo-0")]
+        replica: String,
+        #[arg(long, default_value = "0")]
+        latency_ms: f64,
+        /// Fraction of requests answered with an error (0 to 1).
+        #[arg(long, default_value = "0")]
+        error_rate: f64,
+    },
+    /// Send load: open-loop at --rate, or closed-loop at full speed without it. Prints JSON.
+    Load {
+        /// Where to connect: an outbound proxy or the app itself.
+        #[arg(long)]
+        connect: SocketAddr,
+        /// The authority requests name (Host / :authority).
+        #[arg(long)]
+        authority: String,
+        #[arg(long, default_value = "/")]
+        path: String,
+        /// http1, http2 or grpc.
+        #[arg(long, default_value = "http1")]
+        protocol: tether_mesh_up::loadgen::LoadProtocol,
+        /// Requests per second (open loop). Omit for maximum throughput.
+        #[arg(long)]
+        rate: Option<f64>,
+        #[arg(long, default_value = "10", value_parser = parse_secs)]
+        duration: Duration,
+        #[arg(long, default_value = "64")]
+        concurrency: usize,
+    },
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    init_tracing();
+    let shutdown = Shutdown::default();
+    shutdown.on_signals();
+    match cli.command {
+        Command::Control {
+            registry,
+            grpc,
+            admin,
+            cluster_domain,
+        } => {
+            let config = tether_control::ControlConfig {
+                registry_dir: registry,
+                grpc_addr: grpc,
+                admin_addr: admin,
+                cluster_domain,
+            };
+            tether_control::run(config, shutdown).await?;
+        }
+        Command::Proxy {
+            control,
+            outbound,
+            inbound,
+            admin,
+            app,
+            upstream,
+            failfast_timeout,
+            connect_timeout,
+            drain_timeout,
+        } => {
+            let config = tether_proxy::ProxyConfig {
+                control,
+                outbound,
+                inbound,
+                admin,
+                app,
+                upstreams: upstream,
+                failfast_timeout,
+                connect_timeout,
+                drain_timeout,
+            };
+            tether_proxy::run(config, shutdown).await?;
+        }
+        Command::Up {
+            file,
+            duration,
+            interval,
+            print_demo,
+        } => {
+            if print_demo {
+                print!("{}", tether_mesh_up::manifest::DEMO.trim_start());
+                return Ok(());
+            }
+            let manifest = match &file {
+                Some(path) => {
+                    let text = std::fs::read_to_string(path)
+                        .with_context(|| format!("reading manifest {}", path.display()))?;
+                    tether_mesh_up::manifest::Manifest::parse(&text, &path.display().to_string())?
+                }
+                None => tether_mesh_up::manifest::Manifest::demo(),
+            };
+            let config = tether_mesh_up::up::UpConfig {
+                exe: std::env::current_exe().context("locating the tether binary")?,
+                manifest,
+                duration,
+                interval,
+            };
+            let outcome = tether_mesh_up::up::run(config, shutdown).await?;
+            if duration.is_some() && outcome.report.succeeded == 0 {
+                anyhow::bail!("no request succeeded");
+            }
+        }
+        Command::DemoApp {
+            listen,
+            service,
+            replica,
+            latency_ms,
+            error_rate,
+        } => {
+            anyhow::ensure!(latency_ms >= 0.0, "--latency-ms must be at least 0");
+            anyhow::ensure!(
+                (0.0..=1.0).contains(&error_rate),
+                "--error-rate must be between 0 and 1"
+            );
+            let config = tether_mesh_up::demo_app::DemoConfig {
+                service,
+                replica,
+                latency: Duration::from_secs_f64(latency_ms / 1000.0),
+                error_rate,
+            };
+            tether_mesh_up::demo_app::run(listen, config, shutdown).await?;
+        }
+        Command::Load {
+            connect,
+            authority,
+            path,
+            protocol,
+            rate,
+            duration,
+            concurrency,
+        } => {
+            if let Some(r) = rate {
+                anyhow::ensure!(r > 0.0, "--rate must be above 0");
+            }
+            let spec = tether_mesh_up::loadgen::LoadSpec {
+                connect,
+                authority,
+                path,
+                protocol,
+                rate,
+                duration,
+                concurrency,
+            };
+            let report = tether_mesh_up::loadgen::run(spec, shutdown).await?;
+            println!("{}", report.to_json());
+        }
+    }
+    Ok(())
+}

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use futures::{Stream, StreamExt};
 use linkerd2_proxy_api::destination::{
     self as api, destination_server::Destination, protocol_hint, tls_identity, update,
-    DestinationProfile, GetDestination, ProtocolHint, RetryBudget, TlsIdentity, Update, WeightedAddr,
-    WeightedAddrSet,
+    DestinationProfile, GetDestination, ProtocolHint, RetryBudget, TlsIdentity, Update,
+    WeightedAddr, WeightedAddrSet,
 };
 use linkerd2_proxy_api::net::TcpAddress;
 use tether_admin::Shutdown;
@@ -76,7 +76,9 @@ impl SentState {
             if self.no_endpoints != Some(snap.exists) {
                 self.no_endpoints = Some(snap.exists);
                 out.push(Update {
-                    update: Some(update::Update::NoEndpoints(api::NoEndpoints { exists: snap.exists })),
+                    update: Some(update::Update::NoEndpoints(api::NoEndpoints {
+                        exists: snap.exists,
+                    })),
                 });
             }
             return out;
@@ -120,9 +122,9 @@ pub fn weighted_addr(addr: SocketAddr, meta: &EndpointMeta) -> WeightedAddr {
         labels.insert("pod".to_string(), name.clone());
     }
     let tls_identity = meta.identity.as_ref().map(|id| TlsIdentity {
-        strategy: Some(tls_identity::Strategy::DnsLikeIdentity(tls_identity::DnsLikeIdentity {
-            name: id.clone(),
-        })),
+        strategy: Some(tls_identity::Strategy::DnsLikeIdentity(
+            tls_identity::DnsLikeIdentity { name: id.clone() },
+        )),
         server_name: Some(tls_identity::DnsLikeIdentity { name: id.clone() }),
     });
     let protocol_hint = match (meta.meshed, meta.opaque) {
@@ -193,7 +195,9 @@ fn scopeguard(gauge: prometheus_client::metrics::gauge::Gauge) -> impl Drop {
 
 /// A stream that yields nothing and ends when the control plane shuts down,
 /// so profile and policy streams stay open like a real controller's.
-fn until_shutdown<T: Send + 'static>(shutdown: Shutdown) -> impl Stream<Item = Result<T, Status>> + Send {
+fn until_shutdown<T: Send + 'static>(
+    shutdown: Shutdown,
+) -> impl Stream<Item = Result<T, Status>> + Send {
     futures::stream::once(async move { shutdown.triggered().await }).filter_map(|_| async { None })
 }
 
@@ -203,7 +207,8 @@ pub fn one_then_hold<T: Send + 'static>(item: T, shutdown: Shutdown) -> BoxStrea
 
 impl DestinationService {
     fn profile_for(&self, path: &str) -> Result<DestinationProfile, Status> {
-        let (host, port) = split_host_port(path).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (host, port) =
+            split_host_port(path).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let ip = host.trim_start_matches('[').trim_end_matches(']');
         if let Ok(ip) = ip.parse::<std::net::IpAddr>() {
             let addr = SocketAddr::new(ip, port);
@@ -224,7 +229,10 @@ impl DestinationService {
             retry_budget: Some(RetryBudget {
                 retry_ratio: 0.2,
                 min_retries_per_second: 10,
-                ttl: Some(prost_types::Duration { seconds: 10, nanos: 0 }),
+                ttl: Some(prost_types::Duration {
+                    seconds: 10,
+                    nanos: 0,
+                }),
             }),
             ..Default::default()
         })
@@ -253,7 +261,9 @@ impl Destination for DestinationService {
             self.metrics.clone(),
             self.shutdown.clone(),
         ));
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn get_profile(
@@ -308,13 +318,22 @@ mod tests {
         let key = ServiceKey::new("web", "demo");
         let mut sent = SentState::default();
         assert_eq!(kinds(&sent.diff(&snap(false, &[]), &key)), ["none:false"]);
-        assert_eq!(kinds(&sent.diff(&snap(false, &[]), &key)), Vec::<String>::new());
+        assert_eq!(
+            kinds(&sent.diff(&snap(false, &[]), &key)),
+            Vec::<String>::new()
+        );
         assert_eq!(kinds(&sent.diff(&snap(true, &[]), &key)), ["none:true"]);
         assert_eq!(kinds(&sent.diff(&snap(true, &[1, 2, 3]), &key)), ["add3"]);
         // Skipping states (a slow subscriber) still lands on the latest one.
-        assert_eq!(kinds(&sent.diff(&snap(true, &[3, 4]), &key)), ["remove2", "add1"]);
+        assert_eq!(
+            kinds(&sent.diff(&snap(true, &[3, 4]), &key)),
+            ["remove2", "add1"]
+        );
         assert!(sent.matches(&snap(true, &[3, 4])));
-        assert_eq!(kinds(&sent.diff(&snap(true, &[]), &key)), ["remove2", "none:true"]);
+        assert_eq!(
+            kinds(&sent.diff(&snap(true, &[]), &key)),
+            ["remove2", "none:true"]
+        );
         assert!(sent.matches(&snap(true, &[])));
     }
 

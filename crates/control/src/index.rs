@@ -206,7 +206,10 @@ mod tests {
 
     fn service(endpoints: Vec<EndpointSpec>) -> ServiceState {
         ServiceState {
-            ports: vec![PortSpec { port: 80, opaque: false }],
+            ports: vec![PortSpec {
+                port: 80,
+                opaque: false,
+            }],
             global_id: None,
             mode: None,
             endpoints,
@@ -220,14 +223,29 @@ mod tests {
         let mut rx = index.subscribe(&key, 80);
         assert!(!rx.borrow_and_update().exists);
 
-        index.set_service(&key, Some(service(vec![endpoint("127.0.0.1:1", true), endpoint("127.0.0.1:2", false)])));
+        index.set_service(
+            &key,
+            Some(service(vec![
+                endpoint("127.0.0.1:1", true),
+                endpoint("127.0.0.1:2", false),
+            ])),
+        );
         assert!(rx.has_changed().unwrap());
         let snap = rx.borrow_and_update().clone();
         assert!(snap.exists);
-        assert_eq!(snap.endpoints.keys().map(|a| a.port()).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(
+            snap.endpoints.keys().map(|a| a.port()).collect::<Vec<_>>(),
+            vec![1]
+        );
 
         // The same state again is not a change.
-        index.set_service(&key, Some(service(vec![endpoint("127.0.0.1:1", true), endpoint("127.0.0.1:2", false)])));
+        index.set_service(
+            &key,
+            Some(service(vec![
+                endpoint("127.0.0.1:1", true),
+                endpoint("127.0.0.1:2", false),
+            ])),
+        );
         assert!(!rx.has_changed().unwrap());
 
         index.set_service(&key, None);

@@ -10,7 +10,9 @@ use linkerd2_proxy_api::inbound::{
     Network, PortSpec, ProxyProtocol, Server,
 };
 use linkerd2_proxy_api::net::IpNetwork;
-use linkerd2_proxy_api::outbound::{outbound_policies_server::OutboundPolicies, OutboundPolicy, TrafficSpec};
+use linkerd2_proxy_api::outbound::{
+    outbound_policies_server::OutboundPolicies, OutboundPolicy, TrafficSpec,
+};
 use tether_admin::Shutdown;
 use tonic::{Request, Response, Status};
 
@@ -34,7 +36,10 @@ pub fn default_server() -> Server {
     Server {
         protocol: Some(ProxyProtocol {
             kind: Some(proxy_protocol::Kind::Detect(proxy_protocol::Detect {
-                timeout: Some(prost_types::Duration { seconds: 10, nanos: 0 }),
+                timeout: Some(prost_types::Duration {
+                    seconds: 10,
+                    nanos: 0,
+                }),
                 ..Default::default()
             })),
         }),
@@ -45,7 +50,9 @@ pub fn default_server() -> Server {
                 all(std::net::Ipv6Addr::UNSPECIFIED.into()),
             ],
             authentication: Some(Authn {
-                permit: Some(authn::Permit::Unauthenticated(authn::PermitUnauthenticated {})),
+                permit: Some(authn::Permit::Unauthenticated(
+                    authn::PermitUnauthenticated {},
+                )),
             }),
             labels: labels.clone(),
             metadata: None,
@@ -66,7 +73,10 @@ impl OutboundPolicies for PolicyService {
         Err(no_outbound_policy())
     }
 
-    async fn watch(&self, _req: Request<TrafficSpec>) -> Result<Response<Self::WatchStream>, Status> {
+    async fn watch(
+        &self,
+        _req: Request<TrafficSpec>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
         Err(no_outbound_policy())
     }
 }
@@ -79,7 +89,13 @@ impl InboundServerPolicies for PolicyService {
         Ok(Response::new(default_server()))
     }
 
-    async fn watch_port(&self, _req: Request<PortSpec>) -> Result<Response<Self::WatchPortStream>, Status> {
-        Ok(Response::new(one_then_hold(default_server(), self.shutdown.clone())))
+    async fn watch_port(
+        &self,
+        _req: Request<PortSpec>,
+    ) -> Result<Response<Self::WatchPortStream>, Status> {
+        Ok(Response::new(one_then_hold(
+            default_server(),
+            self.shutdown.clone(),
+        )))
     }
 }

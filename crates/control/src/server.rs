@@ -79,9 +79,8 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
 
     let file_registry = FileRegistry::new(&config.registry_dir, metrics.clone());
     let ready = readiness.clone();
-    let registry_task = tokio::spawn(
-        file_registry.run(index.clone(), Box::new(move || ready.set(LOADED, true))),
-    );
+    let registry_task =
+        tokio::spawn(file_registry.run(index.clone(), Box::new(move || ready.set(LOADED, true))));
 
     let destination = DestinationService {
         index,

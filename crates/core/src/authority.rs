@@ -45,7 +45,9 @@ pub enum AuthorityError {
     Empty,
     #[error("invalid port in authority {0:?}")]
     InvalidPort(String),
-    #[error("{authority:?} is not a service name: expected name.namespace.svc.{cluster_domain}[:port]")]
+    #[error(
+        "{authority:?} is not a service name: expected name.namespace.svc.{cluster_domain}[:port]"
+    )]
     NotAService {
         authority: String,
         cluster_domain: String,
@@ -161,7 +163,10 @@ mod tests {
             parse_service_authority("web.demo:x", "cluster.local"),
             Err(AuthorityError::InvalidPort("web.demo:x".into()))
         );
-        assert_eq!(parse_service_authority("", "cluster.local"), Err(AuthorityError::Empty));
+        assert_eq!(
+            parse_service_authority("", "cluster.local"),
+            Err(AuthorityError::Empty)
+        );
     }
 
     #[test]

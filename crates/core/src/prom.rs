@@ -120,7 +120,11 @@ pub fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> Option<f64> {
                 return Some(prev.0);
             }
             let in_bucket = count - prev.1;
-            let frac = if in_bucket > 0.0 { (rank - prev.1) / in_bucket } else { 1.0 };
+            let frac = if in_bucket > 0.0 {
+                (rank - prev.1) / in_bucket
+            } else {
+                1.0
+            };
             return Some(prev.0 + (le - prev.0) * frac);
         }
         prev = (le, count);

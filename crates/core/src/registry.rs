@@ -126,7 +126,10 @@ impl Document {
             Document::Service(s) => ("Service", serde_yaml::to_string(s)),
             Document::Endpoints(e) => ("Endpoints", serde_yaml::to_string(e)),
         };
-        format!("kind: {kind}\n{}", body.expect("registry documents always serialize"))
+        format!(
+            "kind: {kind}\n{}",
+            body.expect("registry documents always serialize")
+        )
     }
 }
 
@@ -189,7 +192,9 @@ pub fn validate(doc: &Document) -> Result<(), String> {
         ));
     }
     if !is_dns_label(namespace) {
-        return Err(format!("field `namespace`: {namespace:?} is not a valid namespace"));
+        return Err(format!(
+            "field `namespace`: {namespace:?} is not a valid namespace"
+        ));
     }
     if let Document::Service(s) = doc {
         if s.ports.is_empty() {
@@ -201,7 +206,10 @@ pub fn validate(doc: &Document) -> Result<(), String> {
                 return Err(format!("field `ports[{i}].port`: must be 1-65535"));
             }
             if !seen.insert(p.port) {
-                return Err(format!("field `ports[{i}].port`: port {} is listed twice", p.port));
+                return Err(format!(
+                    "field `ports[{i}].port`: port {} is listed twice",
+                    p.port
+                ));
             }
         }
         if let Some(g) = &s.global_id {
@@ -221,7 +229,9 @@ pub fn validate(doc: &Document) -> Result<(), String> {
     }
     for (i, ep) in doc.endpoints().iter().enumerate() {
         if ep.address.port() == 0 {
-            return Err(format!("field `endpoints[{i}].address`: port must not be 0"));
+            return Err(format!(
+                "field `endpoints[{i}].address`: port must not be 0"
+            ));
         }
         if ep.weight == 0 {
             return Err(format!("field `endpoints[{i}].weight`: must be at least 1"));
@@ -231,7 +241,9 @@ pub fn validate(doc: &Document) -> Result<(), String> {
         }
         if let Some(id) = &ep.identity {
             if id.is_empty() || !id.split('.').all(|l| !l.is_empty()) {
-                return Err(format!("field `endpoints[{i}].identity`: {id:?} is not a DNS-like name"));
+                return Err(format!(
+                    "field `endpoints[{i}].identity`: {id:?} is not a DNS-like name"
+                ));
             }
         }
     }
@@ -268,7 +280,9 @@ endpoints:
     fn parses_services_and_endpoints() {
         let docs = parse_documents(GOOD).unwrap();
         assert_eq!(docs.len(), 2);
-        let Document::Service(s) = &docs[0] else { panic!() };
+        let Document::Service(s) = &docs[0] else {
+            panic!()
+        };
         assert!(s.ports[1].opaque);
         assert_eq!(s.endpoints[0].weight, 1);
         assert!(s.endpoints[0].ready && s.endpoints[0].meshed);
@@ -291,9 +305,13 @@ endpoints:
     fn errors_name_the_field() {
         let e = error_of("kind: Service\nnamespace: demo\nports: [{port: 80}]\n");
         assert!(e.contains("missing field `name`"), "{e}");
-        let e = error_of("kind: Service\nname: web\nports: [{port: 80}]\nendpoints: [{adress: 1.2.3.4:80}]\n");
+        let e = error_of(
+            "kind: Service\nname: web\nports: [{port: 80}]\nendpoints: [{adress: 1.2.3.4:80}]\n",
+        );
         assert!(e.contains("unknown field `adress`"), "{e}");
-        let e = error_of("kind: Service\nname: web\nports: [{port: 80}]\nendpoints: [{address: nope}]\n");
+        let e = error_of(
+            "kind: Service\nname: web\nports: [{port: 80}]\nendpoints: [{address: nope}]\n",
+        );
         assert!(e.contains("address") || e.contains("socket address"), "{e}");
         let e = error_of("kind: Service\nname: Web\nports: [{port: 80}]\n");
         assert!(e.contains("field `name`"), "{e}");
@@ -301,13 +319,17 @@ endpoints:
         assert!(e.contains("field `ports`"), "{e}");
         let e = error_of("kind: Service\nname: web\nports: [{port: 80}, {port: 80}]\n");
         assert!(e.contains("field `ports[1].port`"), "{e}");
-        let e = error_of("kind: Endpoints\nservice: web\nendpoints: [{address: 1.2.3.4:80, weight: 0}]\n");
+        let e = error_of(
+            "kind: Endpoints\nservice: web\nendpoints: [{address: 1.2.3.4:80, weight: 0}]\n",
+        );
         assert!(e.contains("field `endpoints[0].weight`"), "{e}");
         let e = error_of("kind: Pod\nname: x\n");
         assert!(e.contains("field `kind`"), "{e}");
         let e = error_of("name: x\n");
         assert!(e.contains("missing field `kind`"), "{e}");
-        let e = error_of("kind: Service\nname: web\nports: [{port: 80}]\n---\nkind: Service\nname: [\n");
+        let e = error_of(
+            "kind: Service\nname: web\nports: [{port: 80}]\n---\nkind: Service\nname: [\n",
+        );
         assert!(e.starts_with("document 2"), "{e}");
     }
 

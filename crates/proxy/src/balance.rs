@@ -39,6 +39,14 @@ impl PeakEwma {
         }
     }
 
+    /// The estimate as of `now`: it decays towards zero while nothing is
+    /// observed, so an endpoint that had one slow answer is tried again
+    /// rather than starved forever.
+    fn decayed(&self, now: Instant) -> f64 {
+        let idle = now.saturating_duration_since(self.last).as_nanos() as f64;
+        self.estimate_ns * (-idle / DECAY.as_nanos() as f64).exp()
+    }
+
     fn observe(&mut self, rtt: Duration, now: Instant) {
         let rtt = rtt.as_nanos() as f64;
         if rtt > self.estimate_ns {
@@ -74,7 +82,7 @@ impl EndpointHandle {
     }
 
     pub fn load(&self) -> f64 {
-        let estimate = self.ewma.lock().unwrap().estimate_ns;
+        let estimate = self.ewma.lock().unwrap().decayed(Instant::now());
         let pending = self.in_flight.load(Ordering::Relaxed) as f64;
         estimate * (pending + 1.0) / self.endpoint.weight as f64
     }
@@ -143,8 +151,11 @@ impl Balancer {
         let mut inner = self.inner.lock().unwrap();
         if inner.rx.has_changed().unwrap_or(false) {
             let resolved = inner.rx.borrow_and_update().endpoints.clone();
-            let mut old: BTreeMap<SocketAddr, Arc<EndpointHandle>> =
-                inner.endpoints.drain(..).map(|h| (h.endpoint.addr, h)).collect();
+            let mut old: BTreeMap<SocketAddr, Arc<EndpointHandle>> = inner
+                .endpoints
+                .drain(..)
+                .map(|h| (h.endpoint.addr, h))
+                .collect();
             inner.endpoints = resolved
                 .values()
                 .map(|ep| match old.remove(&ep.addr) {
@@ -159,14 +170,25 @@ impl Balancer {
 
 /// Picks the less loaded of two random endpoints, skipping `exclude` and,
 /// while others remain, endpoints that are failing.
-pub fn pick(endpoints: &[Arc<EndpointHandle>], exclude: &[SocketAddr]) -> Option<Arc<EndpointHandle>> {
+pub fn pick(
+    endpoints: &[Arc<EndpointHandle>],
+    exclude: &[SocketAddr],
+) -> Option<Arc<EndpointHandle>> {
     let now = Instant::now();
     let candidates: Vec<&Arc<EndpointHandle>> = endpoints
         .iter()
         .filter(|h| !exclude.contains(&h.endpoint.addr))
         .collect();
-    let healthy: Vec<&Arc<EndpointHandle>> = candidates.iter().copied().filter(|h| !h.is_failing(now)).collect();
-    let pool = if healthy.is_empty() { candidates } else { healthy };
+    let healthy: Vec<&Arc<EndpointHandle>> = candidates
+        .iter()
+        .copied()
+        .filter(|h| !h.is_failing(now))
+        .collect();
+    let pool = if healthy.is_empty() {
+        candidates
+    } else {
+        healthy
+    };
     match pool.len() {
         0 => None,
         1 => Some(pool[0].clone()),
@@ -178,7 +200,11 @@ pub fn pick(endpoints: &[Arc<EndpointHandle>], exclude: &[SocketAddr]) -> Option
                 b += 1;
             }
             let (a, b) = (pool[a], pool[b]);
-            Some(if a.load() <= b.load() { a.clone() } else { b.clone() })
+            Some(if a.load() <= b.load() {
+                a.clone()
+            } else {
+                b.clone()
+            })
         }
     }
 }
@@ -204,11 +230,21 @@ mod tests {
     #[test]
     fn peak_ewma_jumps_up_and_decays_down() {
         let t0 = Instant::now();
-        let mut e = PeakEwma { estimate_ns: 1e6, last: t0 };
+        let mut e = PeakEwma {
+            estimate_ns: 1e6,
+            last: t0,
+        };
         e.observe(Duration::from_millis(50), t0);
         assert_eq!(e.estimate_ns, 50e6);
         e.observe(Duration::from_millis(1), t0 + DECAY);
-        assert!(e.estimate_ns < 50e6 * 0.4 && e.estimate_ns > 1e6, "{}", e.estimate_ns);
+        assert!(
+            e.estimate_ns < 50e6 * 0.4 && e.estimate_ns > 1e6,
+            "{}",
+            e.estimate_ns
+        );
+        // Unobserved, the estimate fades, so the endpoint is retried.
+        let later = e.last + DECAY * 5;
+        assert!(e.decayed(later) < e.estimate_ns * 0.01);
     }
 
     #[test]
@@ -217,7 +253,9 @@ mod tests {
         fast.start().observe(Duration::from_millis(1));
         slow.start().observe(Duration::from_millis(50));
         let all = vec![fast.clone(), slow.clone()];
-        let to_fast = (0..100).filter(|_| pick(&all, &[]).unwrap().endpoint.addr.port() == 1).count();
+        let to_fast = (0..100)
+            .filter(|_| pick(&all, &[]).unwrap().endpoint.addr.port() == 1)
+            .count();
         assert_eq!(to_fast, 100);
     }
 
@@ -230,7 +268,10 @@ mod tests {
             assert_eq!(pick(&all, &[]).unwrap().endpoint.addr.port(), 2);
         }
         // When every endpoint is failing, one is still tried.
-        assert_eq!(pick(&all, &[b.endpoint.addr]).unwrap().endpoint.addr.port(), 1);
+        assert_eq!(
+            pick(&all, &[b.endpoint.addr]).unwrap().endpoint.addr.port(),
+            1
+        );
         assert!(pick(&all, &[a.endpoint.addr, b.endpoint.addr]).is_none());
     }
 }

@@ -45,7 +45,10 @@ pub struct EndpointClient {
 
 /// A connection ready to carry one request.
 pub enum Connection {
-    H1(http1::SendRequest<Body>, Arc<Mutex<Vec<http1::SendRequest<Body>>>>),
+    H1(
+        http1::SendRequest<Body>,
+        Arc<Mutex<Vec<http1::SendRequest<Body>>>>,
+    ),
     H2(http2::SendRequest<Body>),
 }
 
@@ -102,7 +105,9 @@ impl EndpointClient {
 
     async fn h1(&self) -> Result<Connection, String> {
         loop {
-            let Some(mut s) = self.h1_idle.lock().unwrap().pop() else { break };
+            let Some(mut s) = self.h1_idle.lock().unwrap().pop() else {
+                break;
+            };
             if s.is_ready() {
                 return Ok(Connection::H1(s, self.h1_idle.clone()));
             }
@@ -149,7 +154,10 @@ impl EndpointClient {
     }
 }
 
-async fn h2_connect(addr: SocketAddr, timeout: Duration) -> Result<http2::SendRequest<Body>, String> {
+async fn h2_connect(
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<http2::SendRequest<Body>, String> {
     let stream = connect_tcp(addr, timeout).await?;
     let (sender, conn) = http2::Builder::new(TokioExecutor::new())
         .timer(hyper_util::rt::TokioTimer::new())

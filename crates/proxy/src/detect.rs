@@ -33,10 +33,17 @@ pub fn classify(buf: &[u8]) -> Option<Protocol> {
     if buf.is_empty() {
         return None;
     }
-    for (preface, proto) in [(OPAQUE_PREFACE, Protocol::OpaqueTransport), (H2_PREFACE, Protocol::Http)] {
+    for (preface, proto) in [
+        (OPAQUE_PREFACE, Protocol::OpaqueTransport),
+        (H2_PREFACE, Protocol::Http),
+    ] {
         let n = buf.len().min(preface.len());
         if buf[..n] == preface[..n] {
-            return if buf.len() >= preface.len() { Some(proto) } else { None };
+            return if buf.len() >= preface.len() {
+                Some(proto)
+            } else {
+                None
+            };
         }
     }
     match buf.windows(2).position(|w| w == b"\r\n") {
@@ -44,7 +51,11 @@ pub fn classify(buf: &[u8]) -> Option<Protocol> {
             let line = &buf[..end];
             let is_http1 = (line.ends_with(b" HTTP/1.1") || line.ends_with(b" HTTP/1.0"))
                 && line.first().is_some_and(|b| b.is_ascii_uppercase());
-            Some(if is_http1 { Protocol::Http } else { Protocol::Opaque })
+            Some(if is_http1 {
+                Protocol::Http
+            } else {
+                Protocol::Opaque
+            })
         }
         None if buf.len() >= MAX_PEEK => Some(Protocol::Opaque),
         None if !buf.iter().all(|b| b.is_ascii_graphic() || *b == b' ') => Some(Protocol::Opaque),
@@ -54,7 +65,10 @@ pub fn classify(buf: &[u8]) -> Option<Protocol> {
 
 /// Reads until the protocol is known (or `timeout` passes) and returns the
 /// protocol and the bytes read, which the caller must replay.
-pub async fn detect<T: AsyncRead + Unpin>(io: &mut T, timeout: Duration) -> io::Result<(Protocol, Bytes)> {
+pub async fn detect<T: AsyncRead + Unpin>(
+    io: &mut T,
+    timeout: Duration,
+) -> io::Result<(Protocol, Bytes)> {
     let mut buf = BytesMut::with_capacity(1024);
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
@@ -87,7 +101,11 @@ impl<T> PrefixedIo<T> {
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for PrefixedIo<T> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         if !self.prefix.is_empty() {
             let n = self.prefix.len().min(buf.remaining());
             let chunk = self.prefix.split_to(n);
@@ -99,7 +117,11 @@ impl<T: AsyncRead + Unpin> AsyncRead for PrefixedIo<T> {
 }
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for PrefixedIo<T> {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -126,11 +148,17 @@ mod tests {
 
     #[test]
     fn classifies_first_bytes() {
-        assert_eq!(classify(b"GET / HTTP/1.1\r\nHost: x\r\n"), Some(Protocol::Http));
+        assert_eq!(
+            classify(b"GET / HTTP/1.1\r\nHost: x\r\n"),
+            Some(Protocol::Http)
+        );
         assert_eq!(classify(b"GET / HTT"), None);
         assert_eq!(classify(H2_PREFACE), Some(Protocol::Http));
         assert_eq!(classify(&H2_PREFACE[..5]), None);
-        assert_eq!(classify(b"tether-opaque/1\r\nhello"), Some(Protocol::OpaqueTransport));
+        assert_eq!(
+            classify(b"tether-opaque/1\r\nhello"),
+            Some(Protocol::OpaqueTransport)
+        );
         assert_eq!(classify(b"tether-"), None);
         assert_eq!(classify(b"\x16\x03\x01\x02\x00"), Some(Protocol::Opaque));
         assert_eq!(classify(b"PING\r\n"), Some(Protocol::Opaque));
@@ -139,7 +167,9 @@ mod tests {
     #[tokio::test]
     async fn replays_what_detection_read() {
         let (mut a, mut b) = tokio::io::duplex(64);
-        tokio::io::AsyncWriteExt::write_all(&mut a, b"tether-opaque/1\r\nhello").await.unwrap();
+        tokio::io::AsyncWriteExt::write_all(&mut a, b"tether-opaque/1\r\nhello")
+            .await
+            .unwrap();
         drop(a);
         let (proto, prefix) = detect(&mut b, Duration::from_secs(1)).await.unwrap();
         assert_eq!(proto, Protocol::OpaqueTransport);

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use linkerd2_proxy_api::destination::{
-    destination_client::DestinationClient, protocol_hint, tls_identity, update, GetDestination, WeightedAddr,
+    destination_client::DestinationClient, protocol_hint, tls_identity, update, GetDestination,
+    WeightedAddr,
 };
 use rand::Rng;
 use tokio::sync::watch;
@@ -44,7 +45,10 @@ impl Endpoint {
             Some(tls_identity::Strategy::DnsLikeIdentity(d)) => Some(d.name),
             _ => None,
         });
-        let (meshed, opaque) = match wa.protocol_hint.and_then(|h| h.protocol.map(|p| (p, h.opaque_transport))) {
+        let (meshed, opaque) = match wa
+            .protocol_hint
+            .and_then(|h| h.protocol.map(|p| (p, h.opaque_transport)))
+        {
             Some((protocol_hint::Protocol::H2(_), _)) => (true, false),
             Some((protocol_hint::Protocol::Opaque(_), transport)) => (transport.is_some(), true),
             None => (false, false),
@@ -104,7 +108,11 @@ impl Discovery {
     /// receiver does.
     pub fn resolve(&self, authority: &str) -> watch::Receiver<Resolution> {
         let (tx, rx) = watch::channel(Resolution::default());
-        tokio::spawn(resolve_task(authority.to_string(), self.channels.clone(), tx));
+        tokio::spawn(resolve_task(
+            authority.to_string(),
+            self.channels.clone(),
+            tx,
+        ));
         rx
     }
 }
@@ -113,7 +121,11 @@ fn jittered(d: Duration) -> Duration {
     d.mul_f64(rand::rng().random_range(0.5..1.0))
 }
 
-async fn resolve_task(authority: String, channels: Arc<[(String, Channel)]>, tx: watch::Sender<Resolution>) {
+async fn resolve_task(
+    authority: String,
+    channels: Arc<[(String, Channel)]>,
+    tx: watch::Sender<Resolution>,
+) {
     let mut backoff = BACKOFF_MIN;
     let mut next = 0usize;
     loop {
@@ -177,7 +189,11 @@ async fn resolve_task(authority: String, channels: Arc<[(String, Channel)]>, tx:
 
 fn apply(tx: &watch::Sender<Resolution>, up: linkerd2_proxy_api::destination::Update, fresh: bool) {
     tx.send_modify(|r| {
-        let mut endpoints = if fresh { BTreeMap::new() } else { (*r.endpoints).clone() };
+        let mut endpoints = if fresh {
+            BTreeMap::new()
+        } else {
+            (*r.endpoints).clone()
+        };
         match up.update {
             Some(update::Update::Add(set)) => {
                 for ep in set.addrs.into_iter().filter_map(Endpoint::from_api) {

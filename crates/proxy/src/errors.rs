@@ -28,10 +28,12 @@ pub enum ProxyError {
 impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::NoAuthority | ProxyError::InvalidAuthority { .. } => StatusCode::BAD_REQUEST,
-            ProxyError::UnknownService(_) | ProxyError::ControlPlaneUnreachable | ProxyError::FailFast => {
-                StatusCode::SERVICE_UNAVAILABLE
+            ProxyError::NoAuthority | ProxyError::InvalidAuthority { .. } => {
+                StatusCode::BAD_REQUEST
             }
+            ProxyError::UnknownService(_)
+            | ProxyError::ControlPlaneUnreachable
+            | ProxyError::FailFast => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Connect { .. } | ProxyError::Upstream { .. } | ProxyError::App { .. } => {
                 StatusCode::BAD_GATEWAY
             }
@@ -42,7 +44,7 @@ impl ProxyError {
     pub fn grpc_code(&self) -> u32 {
         match self {
             ProxyError::NoAuthority | ProxyError::InvalidAuthority { .. } => 3, // INVALID_ARGUMENT
-            _ => 14,                                                              // UNAVAILABLE
+            _ => 14,                                                            // UNAVAILABLE
         }
     }
 }

@@ -19,7 +19,9 @@ pub const ORIG_PROTO: &str = "tether-orig-proto";
 pub const PROXY_ERROR: &str = "tether-proxy-error";
 
 pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).map_err(|never| match never {}).boxed()
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
 }
 
 /// Connection-specific headers, which HTTP/2 forbids and a proxy must not
@@ -59,7 +61,16 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
 }
 
 fn header_value(s: &str) -> HeaderValue {
-    let clean: String = s.chars().map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '?' }).collect();
+    let clean: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_graphic() || c == ' ' {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect();
     HeaderValue::from_str(&clean).unwrap_or_else(|_| HeaderValue::from_static("error"))
 }
 
@@ -70,15 +81,20 @@ pub fn error_response(err: &ProxyError, grpc: bool) -> Response<Body> {
     let mut rsp = if grpc {
         let mut r = Response::new(full(Bytes::new()));
         let h = r.headers_mut();
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
         h.insert("grpc-status", HeaderValue::from(err.grpc_code()));
         h.insert("grpc-message", header_value(&msg));
         r
     } else {
         let mut r = Response::new(full(format!("{msg}\n")));
         *r.status_mut() = err.status();
-        r.headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
         r
     };
     rsp.headers_mut().insert(PROXY_ERROR, header_value(&msg));
@@ -93,35 +109,6 @@ pub fn status_class(status: StatusCode) -> &'static str {
         300..=399 => "3xx",
         400..=499 => "4xx",
         _ => "5xx",
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn strips_connection_headers() {
-        let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-private"));
-        h.insert("x-private", HeaderValue::from_static("1"));
-        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        h.insert(header::TE, HeaderValue::from_static("trailers"));
-        h.insert("x-kept", HeaderValue::from_static("1"));
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 2, "{h:?}");
-        assert!(h.contains_key("x-kept") && h.contains_key(header::TE));
-    }
-
-    #[test]
-    fn grpc_errors_are_trailers_only() {
-        let rsp = error_response(&ProxyError::FailFast, true);
-        assert_eq!(rsp.status(), StatusCode::OK);
-        assert_eq!(rsp.headers()["grpc-status"], "14");
-        assert_eq!(rsp.headers()[PROXY_ERROR], "service in fail-fast");
-        let rsp = error_response(&ProxyError::ControlPlaneUnreachable, false);
-        assert_eq!(rsp.status(), StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(rsp.headers()[PROXY_ERROR], "control plane unreachable");
     }
 }
 
@@ -147,7 +134,9 @@ pub fn rewrite_for_hop(
             }
             parts.headers.remove(header::HOST);
             if carry_http1 {
-                parts.headers.insert(ORIG_PROTO, HeaderValue::from_static("HTTP/1.1"));
+                parts
+                    .headers
+                    .insert(ORIG_PROTO, HeaderValue::from_static("HTTP/1.1"));
             }
             parts.version = http::Version::HTTP_2;
         }
@@ -174,4 +163,36 @@ pub fn request_authority<B>(req: &http::Request<B>) -> Option<String> {
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())
         .map(str::to_string)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_connection_headers() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-private"),
+        );
+        h.insert("x-private", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        h.insert("x-kept", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 2, "{h:?}");
+        assert!(h.contains_key("x-kept") && h.contains_key(header::TE));
+    }
+
+    #[test]
+    fn grpc_errors_are_trailers_only() {
+        let rsp = error_response(&ProxyError::FailFast, true);
+        assert_eq!(rsp.status(), StatusCode::OK);
+        assert_eq!(rsp.headers()["grpc-status"], "14");
+        assert_eq!(rsp.headers()[PROXY_ERROR], "service in fail-fast");
+        let rsp = error_response(&ProxyError::ControlPlaneUnreachable, false);
+        assert_eq!(rsp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(rsp.headers()[PROXY_ERROR], "control plane unreachable");
+    }
 }

@@ -20,7 +20,10 @@ use tokio::net::{TcpListener, TcpStream};
 use crate::client::{connect_tcp, EndpointClient, Proto};
 use crate::detect::{detect, PrefixedIo, Protocol};
 use crate::errors::ProxyError;
-use crate::http::{error_response, is_grpc, request_authority, rewrite_for_hop, status_class, strip_hop_by_hop, Body, ORIG_PROTO};
+use crate::http::{
+    error_response, is_grpc, request_authority, rewrite_for_hop, status_class, strip_hop_by_hop,
+    Body, ORIG_PROTO,
+};
 use crate::metrics::ProxyMetrics;
 use crate::serve::{accept_loop, serve_http};
 use crate::ProxyConfig;
@@ -46,33 +49,44 @@ impl Inbound {
         }
     }
 
-    pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: Shutdown, drain: Duration) {
-        accept_loop("inbound", listener, shutdown, drain, move |mut stream, peer, watcher| {
-            let this = self.clone();
-            async move {
-                let _open = this.metrics.connection("inbound");
-                let (proto, prefix) = match detect(&mut stream, DETECT_TIMEOUT).await {
-                    Ok(d) => d,
-                    Err(e) => {
-                        tracing::debug!(%peer, error = %e, "inbound detection failed");
-                        return;
-                    }
-                };
-                match proto {
-                    Protocol::Closed => {}
-                    Protocol::Http => {
-                        let svc = move |req| {
-                            let this = this.clone();
-                            async move { this.handle(req).await }
-                        };
-                        serve_http(PrefixedIo::new(prefix, stream), svc, watcher).await;
-                    }
-                    Protocol::Opaque | Protocol::OpaqueTransport => {
-                        this.forward_tcp(stream, prefix, peer).await;
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: Shutdown,
+        drain: Duration,
+    ) {
+        accept_loop(
+            "inbound",
+            listener,
+            shutdown,
+            drain,
+            move |mut stream, peer, watcher| {
+                let this = self.clone();
+                async move {
+                    let _open = this.metrics.connection("inbound");
+                    let (proto, prefix) = match detect(&mut stream, DETECT_TIMEOUT).await {
+                        Ok(d) => d,
+                        Err(e) => {
+                            tracing::debug!(%peer, error = %e, "inbound detection failed");
+                            return;
+                        }
+                    };
+                    match proto {
+                        Protocol::Closed => {}
+                        Protocol::Http => {
+                            let svc = move |req| {
+                                let this = this.clone();
+                                async move { this.handle(req).await }
+                            };
+                            serve_http(PrefixedIo::new(prefix, stream), svc, watcher).await;
+                        }
+                        Protocol::Opaque | Protocol::OpaqueTransport => {
+                            this.forward_tcp(stream, prefix, peer).await;
+                        }
                     }
                 }
-            }
-        })
+            },
+        )
         .await
     }
 
@@ -97,7 +111,10 @@ impl Inbound {
                     addr: self.app,
                     reason: e.to_string(),
                 }),
-            Err(reason) => Err(ProxyError::App { addr: self.app, reason }),
+            Err(reason) => Err(ProxyError::App {
+                addr: self.app,
+                reason,
+            }),
         };
         let rsp = match result {
             Ok(rsp) => {
@@ -110,8 +127,12 @@ impl Inbound {
                 error_response(&e, grpc)
             }
         };
-        self.metrics
-            .record("inbound", &authority, status_class(rsp.status()), start.elapsed());
+        self.metrics.record(
+            "inbound",
+            &authority,
+            status_class(rsp.status()),
+            start.elapsed(),
+        );
         rsp
     }
 

@@ -128,7 +128,11 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
     }
     if let (Some(listener), Some(app)) = (inbound_listener, config.app) {
         let inbound = Arc::new(inbound::Inbound::new(app, metrics.clone(), &config));
-        tasks.push(tokio::spawn(inbound.serve(listener, shutdown.clone(), config.drain_timeout)));
+        tasks.push(tokio::spawn(inbound.serve(
+            listener,
+            shutdown.clone(),
+            config.drain_timeout,
+        )));
     }
     tokio::spawn(outbound.clone().evict_idle(shutdown.clone()));
     for t in tasks {

@@ -79,7 +79,13 @@ impl ProxyMetrics {
         );
     }
 
-    pub fn record(&self, direction: &str, authority: &str, class: &str, latency: std::time::Duration) {
+    pub fn record(
+        &self,
+        direction: &str,
+        authority: &str,
+        class: &str,
+        latency: std::time::Duration,
+    ) {
         self.requests
             .get_or_create(&RequestLabels {
                 direction: direction.into(),

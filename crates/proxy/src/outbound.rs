@@ -24,7 +24,8 @@ use crate::detect::OPAQUE_PREFACE;
 use crate::discovery::Discovery;
 use crate::errors::ProxyError;
 use crate::http::{
-    error_response, is_grpc, request_authority, rewrite_for_hop, status_class, strip_hop_by_hop, Body, ORIG_PROTO,
+    error_response, is_grpc, request_authority, rewrite_for_hop, status_class, strip_hop_by_hop,
+    Body, ORIG_PROTO,
 };
 use crate::metrics::ProxyMetrics;
 use crate::serve::{accept_loop, serve_http};
@@ -71,18 +72,29 @@ impl Outbound {
         }
     }
 
-    pub async fn serve(self: Arc<Self>, listener: TcpListener, shutdown: Shutdown, drain: Duration) {
-        accept_loop("outbound", listener, shutdown, drain, move |stream, _, watcher| {
-            let this = self.clone();
-            async move {
-                let _open = this.metrics.connection("outbound");
-                let svc = move |req| {
-                    let this = this.clone();
-                    async move { this.handle(req, None).await }
-                };
-                serve_http(stream, svc, watcher).await;
-            }
-        })
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        shutdown: Shutdown,
+        drain: Duration,
+    ) {
+        accept_loop(
+            "outbound",
+            listener,
+            shutdown,
+            drain,
+            move |stream, _, watcher| {
+                let this = self.clone();
+                async move {
+                    let _open = this.metrics.connection("outbound");
+                    let svc = move |req| {
+                        let this = this.clone();
+                        async move { this.handle(req, None).await }
+                    };
+                    serve_http(stream, svc, watcher).await;
+                }
+            },
+        )
         .await
     }
 
@@ -102,31 +114,37 @@ impl Outbound {
                 return;
             }
         };
-        accept_loop("upstream", listener, shutdown, drain, move |stream, _, watcher| {
-            let this = self.clone();
-            let authority = authority.clone();
-            async move {
-                let _open = this.metrics.connection("outbound");
-                let svc = this.service(&authority);
-                let endpoints = match this.ready_endpoints(&svc).await {
-                    Ok(eps) => eps,
-                    Err(e) => {
-                        tracing::warn!(%authority, error = %e, "upstream connection refused");
-                        return;
-                    }
-                };
-                if endpoints.iter().any(|h| h.endpoint.opaque) {
-                    this.forward_tcp(stream, &authority, &endpoints).await;
-                } else {
-                    let svc = move |req| {
-                        let this = this.clone();
-                        let authority = authority.clone();
-                        async move { this.handle(req, Some(&authority)).await }
+        accept_loop(
+            "upstream",
+            listener,
+            shutdown,
+            drain,
+            move |stream, _, watcher| {
+                let this = self.clone();
+                let authority = authority.clone();
+                async move {
+                    let _open = this.metrics.connection("outbound");
+                    let svc = this.service(&authority);
+                    let endpoints = match this.ready_endpoints(&svc).await {
+                        Ok(eps) => eps,
+                        Err(e) => {
+                            tracing::warn!(%authority, error = %e, "upstream connection refused");
+                            return;
+                        }
                     };
-                    serve_http(stream, svc, watcher).await;
+                    if endpoints.iter().any(|h| h.endpoint.opaque) {
+                        this.forward_tcp(stream, &authority, &endpoints).await;
+                    } else {
+                        let svc = move |req| {
+                            let this = this.clone();
+                            let authority = authority.clone();
+                            async move { this.handle(req, Some(&authority)).await }
+                        };
+                        serve_http(stream, svc, watcher).await;
+                    }
                 }
-            }
-        })
+            },
+        )
         .await
     }
 
@@ -136,7 +154,10 @@ impl Outbound {
             .entry(authority.to_string())
             .or_insert_with(|| {
                 Arc::new(Service {
-                    balancer: Balancer::new(self.discovery.resolve(authority), self.connect_timeout),
+                    balancer: Balancer::new(
+                        self.discovery.resolve(authority),
+                        self.connect_timeout,
+                    ),
                     last_used: Mutex::new(Instant::now()),
                 })
             })
@@ -188,7 +209,10 @@ impl Outbound {
     pub async fn handle(&self, req: Request<Incoming>, pinned: Option<&str>) -> Response<Body> {
         let start = Instant::now();
         let grpc = is_grpc(req.headers());
-        let authority = match pinned.map(str::to_string).or_else(|| request_authority(&req)) {
+        let authority = match pinned
+            .map(str::to_string)
+            .or_else(|| request_authority(&req))
+        {
             Some(a) => normalize(&a),
             None => Err(ProxyError::NoAuthority),
         };
@@ -206,12 +230,20 @@ impl Outbound {
             tracing::debug!(authority = %label, error = %e, "outbound request failed");
             error_response(&e, grpc)
         });
-        self.metrics
-            .record("outbound", &label, status_class(rsp.status()), start.elapsed());
+        self.metrics.record(
+            "outbound",
+            &label,
+            status_class(rsp.status()),
+            start.elapsed(),
+        );
         rsp
     }
 
-    async fn route(&self, authority: &str, req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
+    async fn route(
+        &self,
+        authority: &str,
+        req: Request<Incoming>,
+    ) -> Result<Response<Body>, ProxyError> {
         let svc = self.service(authority);
         let endpoints = self.ready_endpoints(&svc).await?;
         let version = req.version();
@@ -222,7 +254,9 @@ impl Outbound {
         let mut tried = Vec::new();
         let mut last_error = ProxyError::FailFast;
         for _ in 0..CONNECT_ATTEMPTS {
-            let Some(ep) = pick(&endpoints, &tried) else { break };
+            let Some(ep) = pick(&endpoints, &tried) else {
+                break;
+            };
             let addr = ep.endpoint.addr;
             let hop = if ep.endpoint.meshed || version == Version::HTTP_2 {
                 Proto::Http2
@@ -263,7 +297,12 @@ impl Outbound {
         Err(last_error)
     }
 
-    async fn forward_tcp(&self, mut client: TcpStream, authority: &str, endpoints: &[Arc<EndpointHandle>]) {
+    async fn forward_tcp(
+        &self,
+        mut client: TcpStream,
+        authority: &str,
+        endpoints: &[Arc<EndpointHandle>],
+    ) {
         let mut tried = Vec::new();
         while let Some(ep) = pick(endpoints, &tried) {
             let addr = ep.endpoint.addr;

@@ -18,8 +18,13 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::http::Body;
 
-pub async fn accept_loop<H, F>(name: &'static str, listener: TcpListener, shutdown: Shutdown, drain: Duration, handler: H)
-where
+pub async fn accept_loop<H, F>(
+    name: &'static str,
+    listener: TcpListener,
+    shutdown: Shutdown,
+    drain: Duration,
+    handler: H,
+) where
     H: Fn(TcpStream, SocketAddr, Watcher) -> F,
     F: Future<Output = ()> + Send + 'static,
 {

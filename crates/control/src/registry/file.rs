@@ -62,7 +62,10 @@ pub fn is_registry_file(path: &Path) -> bool {
 }
 
 fn stamp_of(meta: &std::fs::Metadata) -> Stamp {
-    (meta.modified().unwrap_or(SystemTime::UNIX_EPOCH), meta.len())
+    (
+        meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+        meta.len(),
+    )
 }
 
 impl FileRegistry {
@@ -165,7 +168,10 @@ impl Loaded {
         metrics.registry_documents.inc_by(new_docs.len() as i64);
         for doc in new_docs {
             let key = doc.service_key();
-            self.mentions.entry(key.clone()).or_default().insert(path.to_path_buf());
+            self.mentions
+                .entry(key.clone())
+                .or_default()
+                .insert(path.to_path_buf());
             touched.insert(key);
         }
         metrics.registry_events_applied.inc();
@@ -189,7 +195,10 @@ impl Loaded {
             let Document::Service(_) = doc else { continue };
             let key = doc.service_key();
             if !defined.insert(key.clone()) {
-                return Err(format!("document {}: service {key} is defined twice in this file", i + 1));
+                return Err(format!(
+                    "document {}: service {key} is defined twice in this file",
+                    i + 1
+                ));
             }
             for other in self.mentions.get(&key).into_iter().flatten() {
                 if other != path && self.defines(other, &key) {
@@ -222,7 +231,8 @@ impl Loaded {
                 .flat_map(|f| f.docs.iter())
                 .filter(|d| d.service_key() == *key)
         };
-        let Some(Document::Service(svc)) = docs().find(|d| matches!(d, Document::Service(_))) else {
+        let Some(Document::Service(svc)) = docs().find(|d| matches!(d, Document::Service(_)))
+        else {
             return None; // endpoints wait for their service to be defined
         };
         Some(ServiceState {
@@ -235,7 +245,12 @@ impl Loaded {
 }
 
 /// Applies a batch of changed paths to the index.
-fn apply(loaded: &mut Loaded, paths: impl IntoIterator<Item = PathBuf>, index: &Index, metrics: &ControlMetrics) {
+fn apply(
+    loaded: &mut Loaded,
+    paths: impl IntoIterator<Item = PathBuf>,
+    index: &Index,
+    metrics: &ControlMetrics,
+) {
     let mut touched = BTreeSet::new();
     for path in paths {
         touched.extend(loaded.reload(&path, metrics));
@@ -246,7 +261,11 @@ fn apply(loaded: &mut Loaded, paths: impl IntoIterator<Item = PathBuf>, index: &
 }
 
 impl Registry for FileRegistry {
-    async fn run(self, index: Index, loaded_cb: Box<dyn FnOnce() + Send>) -> Result<(), RegistryError> {
+    async fn run(
+        self,
+        index: Index,
+        loaded_cb: Box<dyn FnOnce() + Send>,
+    ) -> Result<(), RegistryError> {
         let (tx, mut rx) = mpsc::channel::<PathBuf>(EVENT_QUEUE);
         let overflowed = Arc::new(AtomicBool::new(false));
         let overflow_flag = overflowed.clone();
@@ -310,7 +329,13 @@ impl Registry for FileRegistry {
                                 batch.insert(path.clone());
                             }
                         }
-                        batch.extend(loaded.files.keys().filter(|p| !files.contains_key(*p)).cloned());
+                        batch.extend(
+                            loaded
+                                .files
+                                .keys()
+                                .filter(|p| !files.contains_key(*p))
+                                .cloned(),
+                        );
                     }
                     Err(e) => tracing::warn!(error = %e, "registry rescan failed"),
                 }
@@ -361,13 +386,21 @@ mod tests {
 
         // A broken file keeps what it contributed before.
         std::thread::sleep(Duration::from_millis(10));
-        write(dir.path(), "web-1.yaml", "kind: Endpoints\nservice: web\nendpoints: [{address: nope}]\n");
+        write(
+            dir.path(),
+            "web-1.yaml",
+            "kind: Endpoints\nservice: web\nendpoints: [{address: nope}]\n",
+        );
         apply(&mut loaded, [eps.clone()], &index, &metrics);
         assert_eq!(index.service(&key).unwrap().endpoints.len(), 1);
         assert_eq!(metrics.registry_reload_errors.get(), 1);
 
         // A second definition of the same service is refused.
-        let dup = write(dir.path(), "dup.yaml", "kind: Service\nname: web\nnamespace: demo\nports: [{port: 81}]\n");
+        let dup = write(
+            dir.path(),
+            "dup.yaml",
+            "kind: Service\nname: web\nnamespace: demo\nports: [{port: 81}]\n",
+        );
         apply(&mut loaded, [dup], &index, &metrics);
         assert_eq!(metrics.registry_reload_errors.get(), 2);
         assert_eq!(index.service(&key).unwrap().ports[0].port, 80);

@@ -1,0 +1,298 @@
+//! An open-loop load generator. Requests are scheduled at a constant rate
+//! and each latency is measured from the moment the request was *meant* to
+//! be sent, so a stall on the server side shows up in the percentiles
+//! instead of silently slowing the sender (coordinated omission). Without a
+//! rate it runs closed-loop with fixed concurrency, to find the maximum
+//! throughput. Every run is bounded in time and in concurrency.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde::{Deserialize, Serialize};
+use tether_admin::Shutdown;
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+
+use crate::demo_grpc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadProtocol {
+    #[default]
+    Http1,
+    Http2,
+    Grpc,
+}
+
+impl std::str::FromStr for LoadProtocol {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "http1" => Ok(Self::Http1),
+            "http2" => Ok(Self::Http2),
+            "grpc" => Ok(Self::Grpc),
+            _ => Err(format!(
+                "unknown protocol {s:?}: expected http1, http2 or grpc"
+            )),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct LoadSpec {
+    /// Where connections go (an outbound proxy, or the app directly).
+    pub connect: SocketAddr,
+    /// The authority requests name.
+    pub authority: String,
+    pub path: String,
+    pub protocol: LoadProtocol,
+    /// Requests per second; `None` runs closed-loop at full speed.
+    pub rate: Option<f64>,
+    pub duration: Duration,
+    /// Most requests in flight at once.
+    pub concurrency: usize,
+}
+
+/// What a run measured. Latencies are in microseconds.
+#[derive(Clone)]
+pub struct LoadReport {
+    pub sent: u64,
+    pub succeeded: u64,
+    pub failed: u64,
+    pub latency: Histogram<u64>,
+    pub elapsed: Duration,
+    pub errors: BTreeMap<String, u64>,
+    pub replicas: BTreeMap<String, u64>,
+}
+
+impl Default for LoadReport {
+    fn default() -> Self {
+        Self {
+            sent: 0,
+            succeeded: 0,
+            failed: 0,
+            latency: Histogram::new_with_bounds(1, 120_000_000, 3).expect("valid bounds"),
+            elapsed: Duration::ZERO,
+            errors: BTreeMap::new(),
+            replicas: BTreeMap::new(),
+        }
+    }
+}
+
+impl LoadReport {
+    pub fn quantile_ms(&self, q: f64) -> f64 {
+        if self.latency.is_empty() {
+            return 0.0;
+        }
+        self.latency.value_at_quantile(q) as f64 / 1000.0
+    }
+
+    pub fn rps(&self) -> f64 {
+        self.sent as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    pub fn merge(&mut self, other: &LoadReport) {
+        self.sent += other.sent;
+        self.succeeded += other.succeeded;
+        self.failed += other.failed;
+        let _ = self.latency.add(&other.latency);
+        self.elapsed = self.elapsed.max(other.elapsed);
+        for (k, v) in &other.errors {
+            *self.errors.entry(k.clone()).or_default() += v;
+        }
+        for (k, v) in &other.replicas {
+            *self.replicas.entry(k.clone()).or_default() += v;
+        }
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "sent": self.sent,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "rps": self.rps(),
+            "p50_ms": self.quantile_ms(0.5),
+            "p99_ms": self.quantile_ms(0.99),
+            "p999_ms": self.quantile_ms(0.999),
+            "max_ms": self.latency.max() as f64 / 1000.0,
+            "elapsed_s": self.elapsed.as_secs_f64(),
+            "errors": self.errors,
+            "replicas": self.replicas,
+        })
+    }
+
+    fn record(&mut self, outcome: Result<String, String>, latency: Duration) {
+        self.sent += 1;
+        let _ = self.latency.record(latency.as_micros().max(1) as u64);
+        match outcome {
+            Ok(replica) => {
+                self.succeeded += 1;
+                *self.replicas.entry(replica).or_default() += 1;
+            }
+            Err(e) => {
+                self.failed += 1;
+                *self.errors.entry(e).or_default() += 1;
+            }
+        }
+    }
+}
+
+/// Connects every request to one address, whatever the URI says.
+#[derive(Clone)]
+struct FixedConnector(SocketAddr);
+
+impl tower_service::Service<http::Uri> for FixedConnector {
+    type Response = TokioIo<TcpStream>;
+    type Error = std::io::Error;
+    type Future = Pin<Box<dyn Future<Output = std::io::Result<Self::Response>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Uri) -> Self::Future {
+        let addr = self.0;
+        Box::pin(async move {
+            let s = TcpStream::connect(addr).await?;
+            s.set_nodelay(true)?;
+            Ok(TokioIo::new(s))
+        })
+    }
+}
+
+#[derive(Clone)]
+enum Caller {
+    Http(Box<Client<FixedConnector, Empty<Bytes>>>, http::Uri),
+    Grpc(tonic::transport::Channel),
+}
+
+impl Caller {
+    async fn new(spec: &LoadSpec) -> anyhow::Result<Self> {
+        Ok(match spec.protocol {
+            LoadProtocol::Grpc => {
+                let origin: http::Uri = format!("http://{}", spec.authority).parse()?;
+                let channel =
+                    tonic::transport::Endpoint::from_shared(format!("http://{}", spec.connect))?
+                        .origin(origin)
+                        .connect_lazy();
+                Caller::Grpc(channel)
+            }
+            proto => {
+                let client = Client::builder(TokioExecutor::new())
+                    .http2_only(proto == LoadProtocol::Http2)
+                    .pool_max_idle_per_host(spec.concurrency)
+                    .build(FixedConnector(spec.connect));
+                Caller::Http(
+                    Box::new(client),
+                    format!("http://{}{}", spec.authority, spec.path).parse()?,
+                )
+            }
+        })
+    }
+
+    /// One request; the replica that answered, or the error.
+    async fn call(&self) -> Result<String, String> {
+        match self {
+            Caller::Http(client, uri) => {
+                let rsp = client
+                    .get(uri.clone())
+                    .await
+                    .map_err(|e| format!("request failed: {e}"))?;
+                let status = rsp.status();
+                let replica = rsp
+                    .headers()
+                    .get(crate::demo_app::REPLICA_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+                    .to_string();
+                let proxy_error = rsp
+                    .headers()
+                    .get("tether-proxy-error")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string);
+                rsp.into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| format!("body failed: {e}"))?;
+                match proxy_error {
+                    Some(e) => Err(format!("{} ({e})", status.as_u16())),
+                    None if status.is_server_error() => Err(format!("{}", status.as_u16())),
+                    None => Ok(replica),
+                }
+            }
+            Caller::Grpc(channel) => demo_grpc::hello(channel.clone(), "load")
+                .await
+                .map(|r| r.replica)
+                .map_err(|s| format!("grpc {:?}: {}", s.code(), s.message())),
+        }
+    }
+}
+
+/// Runs one load spec until its duration passes or `stop` fires.
+pub async fn run(spec: LoadSpec, stop: Shutdown) -> anyhow::Result<LoadReport> {
+    let caller = Caller::new(&spec).await?;
+    let report = Arc::new(Mutex::new(LoadReport::default()));
+    let concurrency = spec.concurrency.max(1);
+    let permits = Arc::new(Semaphore::new(concurrency));
+    let start = Instant::now();
+    let end = start + spec.duration;
+    match spec.rate {
+        Some(rate) => {
+            let interval = Duration::from_secs_f64(1.0 / rate.max(0.001));
+            let mut i: u32 = 0;
+            loop {
+                let intended = start + interval * i;
+                if intended >= end || stop.is_triggered() {
+                    break;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep_until(intended.into()) => {}
+                    _ = stop.triggered() => break,
+                }
+                let permit = permits.clone().acquire_owned().await?;
+                let (caller, report) = (caller.clone(), report.clone());
+                tokio::spawn(async move {
+                    let outcome = caller.call().await;
+                    report.lock().unwrap().record(outcome, intended.elapsed());
+                    drop(permit);
+                });
+                i += 1;
+            }
+        }
+        None => {
+            let mut workers = Vec::new();
+            for _ in 0..concurrency {
+                let (caller, report, stop) = (caller.clone(), report.clone(), stop.clone());
+                workers.push(tokio::spawn(async move {
+                    while Instant::now() < end && !stop.is_triggered() {
+                        let t = Instant::now();
+                        let outcome = caller.call().await;
+                        report.lock().unwrap().record(outcome, t.elapsed());
+                    }
+                }));
+            }
+            for w in workers {
+                let _ = w.await;
+            }
+        }
+    }
+    // Wait for requests still in flight, bounded.
+    let _ = tokio::time::timeout(
+        Duration::from_secs(30),
+        permits.acquire_many(concurrency as u32),
+    )
+    .await;
+    let mut out = report.lock().unwrap().clone();
+    out.elapsed = start.elapsed();
+    Ok(out)
+}

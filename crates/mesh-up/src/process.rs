@@ -1,0 +1,103 @@
+//! Child processes for `tether up` (and tests): each one dies with its
+//! parent (`PR_SET_PDEATHSIG`), logs to its own file, and announces its
+//! listeners on stdout (`listening NAME ADDR`), which is how the parent
+//! learns ports the OS chose.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+pub struct Process {
+    pub name: String,
+    pub addrs: HashMap<String, SocketAddr>,
+    child: Child,
+}
+
+impl Process {
+    /// Starts `exe args…` and waits (at most 20 s) until it has announced
+    /// every listener in `expect`.
+    pub async fn spawn(
+        exe: &Path,
+        name: &str,
+        args: &[String],
+        log: &Path,
+        expect: &[&str],
+    ) -> anyhow::Result<Self> {
+        let log_file =
+            std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let mut cmd = Command::new(exe);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log_file))
+            .kill_on_drop(true);
+        // SAFETY: prctl is async-signal-safe and touches no memory of ours.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let mut lines = BufReader::new(stdout).lines();
+        let mut addrs = HashMap::new();
+        let wait = async {
+            while expect.iter().any(|e| !addrs.contains_key(*e)) {
+                let Some(line) = lines.next_line().await? else {
+                    bail!("{name} exited before it was ready; see {}", log.display());
+                };
+                let mut parts = line.split_whitespace();
+                if let (Some("listening"), Some(what), Some(addr)) =
+                    (parts.next(), parts.next(), parts.next())
+                {
+                    addrs.insert(what.to_string(), addr.parse::<SocketAddr>()?);
+                }
+            }
+            Ok(())
+        };
+        tokio::time::timeout(Duration::from_secs(20), wait)
+            .await
+            .map_err(|_| anyhow!("{name} did not start within 20s; see {}", log.display()))??;
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(Self {
+            name: name.to_string(),
+            addrs,
+            child,
+        })
+    }
+
+    pub fn addr(&self, what: &str) -> SocketAddr {
+        self.addrs[what]
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// SIGTERM, then SIGKILL if it has not exited within `grace`.
+    pub async fn stop(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: sending a signal to our own child.
+            unsafe {
+                libc::kill(pid as i32, libc::SIGTERM);
+            }
+        }
+        match tokio::time::timeout(grace, self.child.wait()).await {
+            Ok(status) => status.ok(),
+            Err(_) => {
+                let _ = self.child.kill().await;
+                self.child.wait().await.ok()
+            }
+        }
+    }
+}

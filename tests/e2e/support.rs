@@ -1,0 +1,312 @@
+//! Shared test harness: processes, registry files and HTTP calls.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, StatusCode, Version};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tether_core::registry::{Document, EndpointSpec, EndpointsDoc, PortSpec, ServiceDoc};
+pub use tether_mesh_up::process::Process;
+
+pub const DOMAIN: &str = "cluster.local";
+
+pub fn tether() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tether"))
+}
+
+/// A scratch directory holding the registry and every process's log.
+pub struct Scratch {
+    pub dir: tempfile::TempDir,
+}
+
+impl Scratch {
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("registry")).unwrap();
+        Self { dir }
+    }
+
+    pub fn registry(&self) -> PathBuf {
+        self.dir.path().join("registry")
+    }
+
+    pub fn log(&self, name: &str) -> PathBuf {
+        self.dir.path().join(format!("{name}.log"))
+    }
+
+    pub fn read_log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.log(name)).unwrap_or_default()
+    }
+
+    /// Writes a registry file the documented way: temporary file, rename.
+    pub fn write(&self, file: &str, text: &str) {
+        let tmp = self.registry().join(format!(".{file}.tmp"));
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(tmp, self.registry().join(file)).unwrap();
+    }
+
+    pub fn remove(&self, file: &str) {
+        std::fs::remove_file(self.registry().join(file)).unwrap();
+    }
+
+    pub fn service(&self, name: &str, port: u16, opaque: bool) {
+        let doc = Document::Service(ServiceDoc {
+            name: name.into(),
+            namespace: "test".into(),
+            ports: vec![PortSpec { port, opaque }],
+            global_id: None,
+            mode: None,
+            endpoints: vec![],
+        });
+        self.write(&format!("{name}.yaml"), &doc.to_yaml());
+    }
+
+    /// Makes `addr` an endpoint of `service` (file `file`).
+    pub fn endpoint(&self, file: &str, service: &str, addr: SocketAddr, meshed: bool) {
+        let doc = Document::Endpoints(EndpointsDoc {
+            service: service.into(),
+            namespace: "test".into(),
+            endpoints: vec![EndpointSpec {
+                address: addr,
+                port: None,
+                ready: true,
+                identity: None,
+                zone: None,
+                weight: 1,
+                meshed,
+                name: Some(file.into()),
+            }],
+        });
+        self.write(&format!("{file}.yaml"), &doc.to_yaml());
+    }
+
+    pub async fn spawn(&self, name: &str, args: &[&str], expect: &[&str]) -> Process {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        Process::spawn(tether(), name, &args, &self.log(name), expect)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}\n--- {name} log ---\n{}", self.read_log(name)))
+    }
+
+    pub async fn control(&self) -> Process {
+        let registry = self.registry().display().to_string();
+        self.spawn(
+            "control",
+            &[
+                "control",
+                "--registry",
+                &registry,
+                "--grpc",
+                "127.0.0.1:0",
+                "--admin",
+                "127.0.0.1:0",
+            ],
+            &["grpc", "admin"],
+        )
+        .await
+    }
+
+    /// A sidecar; with `app`, also its inbound listener.
+    pub async fn proxy(
+        &self,
+        name: &str,
+        control: SocketAddr,
+        app: Option<SocketAddr>,
+        extra: &[&str],
+    ) -> Process {
+        let control = control.to_string();
+        let mut args = vec![
+            "proxy",
+            "--control",
+            &control,
+            "--outbound",
+            "127.0.0.1:0",
+            "--inbound",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+        ];
+        let app_s = app.map(|a| a.to_string());
+        if let Some(a) = &app_s {
+            args.extend(["--app", a]);
+        }
+        args.extend(extra);
+        let expect: &[&str] = if app.is_some() {
+            &["outbound", "inbound", "admin"]
+        } else {
+            &["outbound", "admin"]
+        };
+        self.spawn(name, &args, expect).await
+    }
+
+    pub async fn demo_app(&self, replica: &str, latency_ms: u32) -> Process {
+        let latency = latency_ms.to_string();
+        self.spawn(
+            replica,
+            &[
+                "demo-app",
+                "--listen",
+                "127.0.0.1:0",
+                "--replica",
+                replica,
+                "--latency-ms",
+                &latency,
+            ],
+            &["http"],
+        )
+        .await
+    }
+}
+
+pub fn authority(service: &str, port: u16) -> String {
+    format!("{service}.test.svc.{DOMAIN}:{port}")
+}
+
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: String,
+    pub version: Version,
+}
+
+impl Answer {
+    pub fn replica(&self) -> &str {
+        self.headers
+            .get("tether-demo-replica")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+
+    pub fn proxy_error(&self) -> Option<&str> {
+        self.headers
+            .get("tether-proxy-error")
+            .and_then(|v| v.to_str().ok())
+    }
+}
+
+/// One request over a fresh connection, HTTP/1.1 (Host header) or HTTP/2
+/// with prior knowledge (`:authority`).
+pub async fn request(
+    connect: SocketAddr,
+    authority: &str,
+    path: &str,
+    version: Version,
+) -> anyhow::Result<Answer> {
+    let stream = tokio::net::TcpStream::connect(connect).await?;
+    let io = TokioIo::new(stream);
+    let body = Full::new(Bytes::new());
+    let rsp = if version == Version::HTTP_2 {
+        let (mut s, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await?;
+        tokio::spawn(conn);
+        let req = http::Request::get(format!("http://{authority}{path}"))
+            .version(version)
+            .body(body)?;
+        s.send_request(req).await?
+    } else {
+        let (mut s, conn) = hyper::client::conn::http1::handshake(io).await?;
+        tokio::spawn(conn);
+        let req = http::Request::get(path)
+            .header(http::header::HOST, authority)
+            .body(body)?;
+        s.send_request(req).await?
+    };
+    let status = rsp.status();
+    let version = rsp.version();
+    let headers = rsp.headers().clone();
+    let body = rsp.into_body().collect().await?.to_bytes();
+    Ok(Answer {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+        version,
+    })
+}
+
+pub async fn get(connect: SocketAddr, authority: &str) -> Answer {
+    request(connect, authority, "/", Version::HTTP_11)
+        .await
+        .unwrap()
+}
+
+/// Polls `check` until it returns true or `timeout` passes.
+pub async fn eventually<F, Fut>(timeout: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+pub async fn metrics(admin: SocketAddr) -> String {
+    tether_mesh_up::stats::http_get(admin, "/metrics")
+        .await
+        .unwrap()
+        .1
+}
+
+pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    tether_core::prom::parse(text)
+        .into_iter()
+        .filter(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
+        .map(|s| s.value)
+        .sum()
+}
+
+/// A mesh of one control plane, a client sidecar, and `replicas` demo apps
+/// each behind its own sidecar, registered as endpoints of `web`.
+pub struct Mesh {
+    pub scratch: Scratch,
+    pub control: Process,
+    pub client: Process,
+    /// Held so the apps live as long as the mesh.
+    pub _apps: Vec<Process>,
+    pub sidecars: Vec<Process>,
+}
+
+impl Mesh {
+    pub async fn start(latencies_ms: &[u32]) -> Self {
+        let scratch = Scratch::new();
+        scratch.service("web", 8080, false);
+        let control = scratch.control().await;
+        let client = scratch
+            .proxy("client", control.addr("grpc"), None, &[])
+            .await;
+        let mut apps = Vec::new();
+        let mut sidecars = Vec::new();
+        for (i, latency) in latencies_ms.iter().enumerate() {
+            let name = format!("web-{i}");
+            let app = scratch.demo_app(&name, *latency).await;
+            let sidecar = scratch
+                .proxy(
+                    &format!("{name}-proxy"),
+                    control.addr("grpc"),
+                    Some(app.addr("http")),
+                    &[],
+                )
+                .await;
+            scratch.endpoint(&name, "web", sidecar.addr("inbound"), true);
+            apps.push(app);
+            sidecars.push(sidecar);
+        }
+        Self {
+            scratch,
+            control,
+            client,
+            _apps: apps,
+            sidecars,
+        }
+    }
+
+    pub fn outbound(&self) -> SocketAddr {
+        self.client.addr("outbound")
+    }
+}
