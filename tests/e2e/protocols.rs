@@ -51,7 +51,7 @@ async fn http1_http2_and_grpc_cross_two_proxies() {
                 ("authority", &web),
                 ("status_class", "2xx")
             ]
-        ) >= 5.0,
+        ) >= 4.0,
         "{client}"
     );
     let server = metrics(mesh.sidecars[0].addr("admin")).await;
@@ -60,7 +60,7 @@ async fn http1_http2_and_grpc_cross_two_proxies() {
             &server,
             "tether_proxy_requests_total",
             &[("direction", "inbound")]
-        ) >= 5.0,
+        ) >= 4.0,
         "{server}"
     );
 }

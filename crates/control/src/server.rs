@@ -79,8 +79,22 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
 
     let file_registry = FileRegistry::new(&config.registry_dir, metrics.clone());
     let ready = readiness.clone();
-    let registry_task =
-        tokio::spawn(file_registry.run(index.clone(), Box::new(move || ready.set(LOADED, true))));
+    let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut registry_task = tokio::spawn(file_registry.run(
+        index.clone(),
+        Box::new(move || {
+            ready.set(LOADED, true);
+            let _ = loaded_tx.send(());
+        }),
+    ));
+    // Answer no discovery before the first full load: an empty index would
+    // tell proxies that every service is unknown. Clients wait in the
+    // listen backlog meanwhile.
+    tokio::select! {
+        _ = loaded_rx => {}
+        res = &mut registry_task => return registry_ended(res),
+        _ = shutdown.triggered() => return Ok(()),
+    }
 
     let destination = DestinationService {
         index,
@@ -102,14 +116,24 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         );
     tokio::select! {
         res = server => res?,
-        res = registry_task => {
-            match res {
-                Ok(Err(e)) => return Err(e.into()),
-                Ok(Ok(())) => tracing::warn!("registry watch ended"),
-                Err(e) => tracing::error!(error = %e, "registry task failed"),
-            }
-        }
+        res = registry_task => registry_ended(res)?,
     }
     tracing::info!("control plane stopped");
     Ok(())
+}
+
+fn registry_ended(
+    res: Result<Result<(), crate::registry::RegistryError>, tokio::task::JoinError>,
+) -> Result<(), ControlError> {
+    match res {
+        Ok(Err(e)) => Err(e.into()),
+        Ok(Ok(())) => {
+            tracing::warn!("registry watch ended");
+            Ok(())
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "registry task failed");
+            Ok(())
+        }
+    }
 }
