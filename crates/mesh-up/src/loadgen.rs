@@ -69,7 +69,11 @@ pub struct LoadReport {
     pub sent: u64,
     pub succeeded: u64,
     pub failed: u64,
+    /// From the intended send time (open loop) or the send (closed loop).
     pub latency: Histogram<u64>,
+    /// From the moment the request was actually sent: the server's share
+    /// alone, without the sender's scheduling delay.
+    pub service: Histogram<u64>,
     pub elapsed: Duration,
     pub errors: BTreeMap<String, u64>,
     pub replicas: BTreeMap<String, u64>,
@@ -82,6 +86,7 @@ impl Default for LoadReport {
             succeeded: 0,
             failed: 0,
             latency: Histogram::new_with_bounds(1, 120_000_000, 3).expect("valid bounds"),
+            service: Histogram::new_with_bounds(1, 120_000_000, 3).expect("valid bounds"),
             elapsed: Duration::ZERO,
             errors: BTreeMap::new(),
             replicas: BTreeMap::new(),
@@ -97,6 +102,13 @@ impl LoadReport {
         self.latency.value_at_quantile(q) as f64 / 1000.0
     }
 
+    pub fn service_quantile_ms(&self, q: f64) -> f64 {
+        if self.service.is_empty() {
+            return 0.0;
+        }
+        self.service.value_at_quantile(q) as f64 / 1000.0
+    }
+
     pub fn rps(&self) -> f64 {
         self.sent as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
@@ -106,6 +118,7 @@ impl LoadReport {
         self.succeeded += other.succeeded;
         self.failed += other.failed;
         let _ = self.latency.add(&other.latency);
+        let _ = self.service.add(&other.service);
         self.elapsed = self.elapsed.max(other.elapsed);
         for (k, v) in &other.errors {
             *self.errors.entry(k.clone()).or_default() += v;
@@ -125,15 +138,19 @@ impl LoadReport {
             "p99_ms": self.quantile_ms(0.99),
             "p999_ms": self.quantile_ms(0.999),
             "max_ms": self.latency.max() as f64 / 1000.0,
+            "service_p50_ms": self.service_quantile_ms(0.5),
+            "service_p99_ms": self.service_quantile_ms(0.99),
+            "service_p999_ms": self.service_quantile_ms(0.999),
             "elapsed_s": self.elapsed.as_secs_f64(),
             "errors": self.errors,
             "replicas": self.replicas,
         })
     }
 
-    fn record(&mut self, outcome: Result<String, String>, latency: Duration) {
+    fn record(&mut self, outcome: Result<String, String>, latency: Duration, service: Duration) {
         self.sent += 1;
         let _ = self.latency.record(latency.as_micros().max(1) as u64);
+        let _ = self.service.record(service.as_micros().max(1) as u64);
         match outcome {
             Ok(replica) => {
                 self.succeeded += 1;
@@ -262,8 +279,12 @@ pub async fn run(spec: LoadSpec, stop: Shutdown) -> anyhow::Result<LoadReport> {
                 let permit = permits.clone().acquire_owned().await?;
                 let (caller, report) = (caller.clone(), report.clone());
                 tokio::spawn(async move {
+                    let sent = Instant::now();
                     let outcome = caller.call().await;
-                    report.lock().unwrap().record(outcome, intended.elapsed());
+                    report
+                        .lock()
+                        .unwrap()
+                        .record(outcome, intended.elapsed(), sent.elapsed());
                     drop(permit);
                 });
                 i += 1;
@@ -277,7 +298,8 @@ pub async fn run(spec: LoadSpec, stop: Shutdown) -> anyhow::Result<LoadReport> {
                     while Instant::now() < end && !stop.is_triggered() {
                         let t = Instant::now();
                         let outcome = caller.call().await;
-                        report.lock().unwrap().record(outcome, t.elapsed());
+                        let took = t.elapsed();
+                        report.lock().unwrap().record(outcome, took, took);
                     }
                 }));
             }
