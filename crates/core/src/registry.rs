@@ -160,10 +160,10 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
             .remove("kind")
             .ok_or_else(|| err("missing field `kind` (Service or Endpoints)".into()))?;
         let doc = match kind.as_str() {
-            Some("Service") => serde_yaml::from_value::<ServiceDoc>(map.into())
+            Some("Service") => from_mapping::<ServiceDoc>(map)
                 .map(Document::Service)
                 .map_err(|e| err(format!("Service: {e}")))?,
-            Some("Endpoints") => serde_yaml::from_value::<EndpointsDoc>(map.into())
+            Some("Endpoints") => from_mapping::<EndpointsDoc>(map)
                 .map(Document::Endpoints)
                 .map_err(|e| err(format!("Endpoints: {e}")))?,
             _ => {
@@ -177,6 +177,20 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
         docs.push(doc);
     }
     Ok(docs)
+}
+
+/// Deserializes a document body; errors start with the failing field's path
+/// (`field `endpoints[2].address`: …`).
+fn from_mapping<T: serde::de::DeserializeOwned>(map: serde_yaml::Mapping) -> Result<T, String> {
+    serde_path_to_error::deserialize(serde_yaml::Value::Mapping(map)).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." {
+            inner.to_string()
+        } else {
+            format!("field `{path}`: {inner}")
+        }
+    })
 }
 
 /// Checks what serde cannot: names, ports, weights. Messages start with the
@@ -308,11 +322,14 @@ endpoints:
         let e = error_of(
             "kind: Service\nname: web\nports: [{port: 80}]\nendpoints: [{adress: 1.2.3.4:80}]\n",
         );
-        assert!(e.contains("unknown field `adress`"), "{e}");
+        assert!(
+            e.contains("unknown field `adress`") && e.contains("endpoints[0]"),
+            "{e}"
+        );
         let e = error_of(
             "kind: Service\nname: web\nports: [{port: 80}]\nendpoints: [{address: nope}]\n",
         );
-        assert!(e.contains("address") || e.contains("socket address"), "{e}");
+        assert!(e.contains("field `endpoints[0].address`"), "{e}");
         let e = error_of("kind: Service\nname: Web\nports: [{port: 80}]\n");
         assert!(e.contains("field `name`"), "{e}");
         let e = error_of("kind: Service\nname: web\nports: []\n");

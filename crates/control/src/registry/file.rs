@@ -70,8 +70,12 @@ fn stamp_of(meta: &std::fs::Metadata) -> Stamp {
 
 impl FileRegistry {
     pub fn new(dir: impl Into<PathBuf>, metrics: ControlMetrics) -> Self {
+        let dir = dir.into();
+        // The watcher reports absolute paths; listing must name files the
+        // same way, or one file would be loaded twice under two names.
+        let dir = std::fs::canonicalize(&dir).unwrap_or(dir);
         Self {
-            dir: dir.into(),
+            dir,
             metrics,
             rescan_interval: Duration::from_secs(5),
         }
@@ -277,6 +281,10 @@ impl Registry for FileRegistry {
             if event.need_rescan() {
                 overflow_flag.store(true, Ordering::Relaxed);
             }
+            // Our own reads show up as access events; they change nothing.
+            if matches!(event.kind, notify::EventKind::Access(_)) {
+                return;
+            }
             for path in event.paths {
                 if is_registry_file(&path) && tx.try_send(path).is_err() {
                     overflow_flag.store(true, Ordering::Relaxed);
@@ -409,6 +417,44 @@ mod tests {
         std::fs::remove_file(&svc).unwrap();
         apply(&mut loaded, [svc], &index, &metrics);
         assert!(index.service(&key).is_none());
+    }
+
+    /// A registry named by a relative path once loaded each file twice (by
+    /// the relative name it was listed under, and by the absolute name the
+    /// watcher reported), so every service conflicted with itself.
+    #[tokio::test]
+    async fn files_are_loaded_once_whatever_the_path_spelling() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("reg")).unwrap();
+        let cwd = std::env::current_dir().unwrap();
+        let up = "../".repeat(cwd.components().count() - 1);
+        let spelled = PathBuf::from(up)
+            .join(dir.path().strip_prefix("/").unwrap())
+            .join("reg");
+        assert!(spelled.is_relative() && spelled.is_dir());
+        write(
+            &spelled,
+            "web.yaml",
+            "kind: Service\nname: web\nports: [{port: 80}]\n",
+        );
+        let metrics = ControlMetrics::default();
+        let index = Index::new(metrics.clone());
+        let registry = FileRegistry::new(&spelled, metrics.clone())
+            .with_rescan_interval(Duration::from_millis(50));
+        let task = tokio::spawn(registry.run(index.clone(), Box::new(|| {})));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Touch it: the watcher reports the change by its absolute path.
+        write(
+            &spelled,
+            "web.yaml",
+            "kind: Service\nname: web\nports: [{port: 81}]\n",
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        task.abort();
+        assert_eq!(metrics.registry_reload_errors.get(), 0);
+        assert_eq!(metrics.registry_documents.get(), 1);
+        let svc = index.service(&ServiceKey::new("web", "default")).unwrap();
+        assert_eq!(svc.ports[0].port, 81);
     }
 
     #[test]
