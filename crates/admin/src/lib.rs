@@ -27,6 +27,24 @@ pub fn announce(name: &str, addr: SocketAddr) {
     println!("listening {name} {addr}");
 }
 
+#[derive(Debug, thiserror::Error)]
+#[error("binding {what} listener on {addr}: {source}")]
+pub struct BindError {
+    pub what: &'static str,
+    pub addr: SocketAddr,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Binds a listener and announces its address.
+pub async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, BindError> {
+    let l = TcpListener::bind(addr)
+        .await
+        .map_err(|source| BindError { what, addr, source })?;
+    announce(what, l.local_addr().unwrap_or(addr));
+    Ok(l)
+}
+
 // === impl Readiness ===
 
 /// A set of named conditions; the process is ready when all are met.

@@ -7,8 +7,7 @@ use std::sync::Arc;
 use linkerd2_proxy_api::destination::destination_server::DestinationServer;
 use linkerd2_proxy_api::inbound::inbound_server_policies_server::InboundServerPoliciesServer;
 use linkerd2_proxy_api::outbound::outbound_policies_server::OutboundPoliciesServer;
-use tether_admin::{announce, Admin, Readiness, Shutdown};
-use tokio::net::TcpListener;
+use tether_admin::{bind, Admin, Readiness, Shutdown};
 
 use crate::destination::DestinationService;
 use crate::index::Index;
@@ -26,25 +25,12 @@ pub struct ControlConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
-    #[error("binding {what} listener on {addr}: {source}")]
-    Bind {
-        what: &'static str,
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] tether_admin::BindError),
     #[error(transparent)]
     Registry(#[from] crate::registry::RegistryError),
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
-}
-
-async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ControlError> {
-    let l = TcpListener::bind(addr)
-        .await
-        .map_err(|source| ControlError::Bind { what, addr, source })?;
-    announce(what, l.local_addr().unwrap_or(addr));
-    Ok(l)
 }
 
 /// Runs the control plane until `shutdown` fires. Subscriber streams end

@@ -34,8 +34,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tether_admin::{announce, Admin, Readiness, Shutdown};
-use tokio::net::TcpListener;
+use tether_admin::{bind, Admin, Readiness, Shutdown};
 
 #[derive(Clone, Debug)]
 pub struct ProxyConfig {
@@ -58,25 +57,12 @@ pub struct ProxyConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyStartError {
-    #[error("binding {what} listener on {addr}: {source}")]
-    Bind {
-        what: &'static str,
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] tether_admin::BindError),
     #[error("invalid control-plane address {0:?}: expected host:port")]
     ControlAddr(String),
     #[error("no control-plane address given")]
     NoControl,
-}
-
-async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ProxyStartError> {
-    let l = TcpListener::bind(addr)
-        .await
-        .map_err(|source| ProxyStartError::Bind { what, addr, source })?;
-    announce(what, l.local_addr().unwrap_or(addr));
-    Ok(l)
 }
 
 /// Runs the proxy until `shutdown` fires and in-flight work has drained.
