@@ -56,6 +56,12 @@ enum Command {
         /// The cluster domain in service names (name.namespace.svc.DOMAIN).
         #[arg(long, default_value = "cluster.local")]
         cluster_domain: String,
+        /// Identity directory from `tether identity init`: serve Identity.Certify.
+        #[arg(long)]
+        identity: Option<PathBuf>,
+        /// Lifetime of the leaf certificates Certify signs, in seconds.
+        #[arg(long, default_value = "86400", value_parser = parse_secs)]
+        identity_leaf_lifetime: Duration,
     },
     /// Run the sidecar proxy.
     Proxy {
@@ -87,6 +93,18 @@ enum Command {
         /// Seconds in-flight requests get to finish on SIGTERM.
         #[arg(long, default_value = "10", value_parser = parse_secs)]
         drain_timeout: Duration,
+        /// This proxy's identity, e.g. web.demo.serviceaccount.identity.cluster.local.
+        #[arg(long, requires_all = ["identity_token_file", "trust_root"])]
+        identity: Option<String>,
+        /// File holding the bootstrap token for --identity.
+        #[arg(long)]
+        identity_token_file: Option<PathBuf>,
+        /// The trust root (PEM) peers' certificates must chain to.
+        #[arg(long)]
+        trust_root: Option<PathBuf>,
+        /// opportunistic (accept and send plaintext when TLS is not possible) or mandatory.
+        #[arg(long, default_value = "opportunistic")]
+        tls: tether_proxy::tls::TlsMode,
     },
     /// Run a whole mesh on this machine from a manifest (the built-in demo without one).
     Up {
@@ -101,6 +119,11 @@ enum Command {
         /// Print the built-in demo manifest and exit.
         #[arg(long)]
         print_demo: bool,
+    },
+    /// Manage the mesh's trust root, issuer and bootstrap tokens.
+    Identity {
+        #[command(subcommand)]
+        command: IdentityCommand,
     },
     /// Run the demo app (HTTP/1.1, HTTP/2 and gRPC).
     DemoApp {
@@ -140,6 +163,43 @@ enum Command {
     },
 }
 
+#[derive(Subcommand)]
+enum IdentityCommand {
+    /// Create a trust root and an issuer (ECDSA P-256) and a token secret.
+    Init {
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "cluster.local")]
+        trust_domain: String,
+        /// Replace existing files.
+        #[arg(long)]
+        force: bool,
+        /// Issuer certificate lifetime in seconds (default one year).
+        #[arg(long, default_value = "31536000", value_parser = parse_secs)]
+        issuer_lifetime: Duration,
+    },
+    /// Print the bootstrap token that entitles a workload to IDENTITY.
+    Token {
+        /// The identity directory (holds token.key).
+        #[arg(long)]
+        dir: PathBuf,
+        identity: String,
+    },
+}
+
+fn when(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let days = t
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default()
+        .as_secs_f64()
+        / 86400.0;
+    format!("unix time {secs} (in {days:.0} days)")
+}
+
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -161,12 +221,20 @@ async fn main() -> anyhow::Result<()> {
             grpc,
             admin,
             cluster_domain,
+            identity,
+            identity_leaf_lifetime,
         } => {
+            anyhow::ensure!(
+                identity_leaf_lifetime >= Duration::from_secs(1),
+                "--identity-leaf-lifetime must be at least 1 second"
+            );
             let config = tether_control::ControlConfig {
                 registry_dir: registry,
                 grpc_addr: grpc,
                 admin_addr: admin,
                 cluster_domain,
+                identity_dir: identity,
+                leaf_lifetime: identity_leaf_lifetime,
             };
             tether_control::run(config, shutdown).await?;
         }
@@ -180,7 +248,24 @@ async fn main() -> anyhow::Result<()> {
             failfast_timeout,
             connect_timeout,
             drain_timeout,
+            identity,
+            identity_token_file,
+            trust_root,
+            tls,
         } => {
+            let identity = match (identity, identity_token_file, trust_root) {
+                (Some(name), Some(token_file), Some(trust_root)) => {
+                    let token = std::fs::read_to_string(&token_file).with_context(|| {
+                        format!("reading --identity-token-file {}", token_file.display())
+                    })?;
+                    Some(tether_proxy::identity::IdentityConfig {
+                        name,
+                        token: token.trim().to_string(),
+                        trust_root,
+                    })
+                }
+                _ => None,
+            };
             let config = tether_proxy::ProxyConfig {
                 control,
                 outbound,
@@ -191,6 +276,8 @@ async fn main() -> anyhow::Result<()> {
                 failfast_timeout,
                 connect_timeout,
                 drain_timeout,
+                identity,
+                tls_mode: tls,
             };
             tether_proxy::run(config, shutdown).await?;
         }
@@ -223,6 +310,34 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::bail!("no request succeeded");
             }
         }
+        Command::Identity { command } => match command {
+            IdentityCommand::Init {
+                out,
+                trust_domain,
+                force,
+                issuer_lifetime,
+            } => {
+                let mut opts = tether_identity::ca::InitOptions::new(&out, &trust_domain);
+                opts.force = force;
+                opts.issuer_lifetime = issuer_lifetime;
+                let report = tether_identity::ca::init(&opts)?;
+                println!("created trust root and issuer for trust domain {trust_domain}:");
+                for f in &report.files {
+                    println!("  {}", f.display());
+                }
+                println!("trust root expires at {}", when(report.root_expires));
+                println!("issuer expires at     {}", when(report.issuer_expires));
+                println!(
+                    "give {} to every proxy (--trust-root); keep ca.key offline",
+                    out.join("ca.crt").display()
+                );
+            }
+            IdentityCommand::Token { dir, identity } => {
+                let tokens = tether_identity::token::LocalTokens::load(&dir)
+                    .with_context(|| format!("reading the token secret in {}", dir.display()))?;
+                println!("{}", tokens.issue(&identity));
+            }
+        },
         Command::DemoApp {
             listen,
             service,

@@ -8,11 +8,14 @@
 //! on a subscriber, so a slow proxy never delays the index or other proxies.
 //!
 //! - [`server`]: wires listeners, the registry, the gRPC services and admin.
+//! - [`identity`]: `Identity.Certify`, signing workloads' CSRs with the
+//!   issuer once their bootstrap token checks out.
 //! - [`policy`]: default answers for the policy APIs, so any
 //!   linkerd2-proxy-api client falls back instead of hanging.
 //! - [`metrics`]: the control plane's Prometheus metrics.
 
 pub mod destination;
+pub mod identity;
 pub mod index;
 pub mod metrics;
 pub mod policy;

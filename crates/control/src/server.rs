@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use linkerd2_proxy_api::destination::destination_server::DestinationServer;
+use linkerd2_proxy_api::identity::identity_server::IdentityServer;
 use linkerd2_proxy_api::inbound::inbound_server_policies_server::InboundServerPoliciesServer;
 use linkerd2_proxy_api::outbound::outbound_policies_server::OutboundPoliciesServer;
 use tether_admin::{bind, Admin, Readiness, Shutdown};
@@ -21,6 +22,9 @@ pub struct ControlConfig {
     pub grpc_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub cluster_domain: String,
+    /// Identity directory (`tether identity init`); serves Certify when set.
+    pub identity_dir: Option<PathBuf>,
+    pub leaf_lifetime: std::time::Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +33,10 @@ pub enum ControlError {
     Bind(#[from] tether_admin::BindError),
     #[error(transparent)]
     Registry(#[from] crate::registry::RegistryError),
+    #[error("identity: {0}")]
+    Identity(#[from] tether_identity::ca::LoadError),
+    #[error("identity: reading bootstrap token secret: {0}")]
+    TokenSecret(std::io::Error),
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
 }
@@ -43,12 +51,29 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         }
         .into());
     }
+    let identity_metrics = crate::identity::IdentityMetrics::default();
+    let identity = match &config.identity_dir {
+        Some(dir) => {
+            let issuer = tether_identity::ca::Issuer::load(dir)?;
+            let tokens = tether_identity::token::LocalTokens::load(dir)
+                .map_err(ControlError::TokenSecret)?;
+            tracing::info!(dir = %dir.display(), "identity: issuing certificates");
+            Some(IdentityServer::new(crate::identity::IdentityService {
+                issuer: Arc::new(issuer),
+                tokens: Arc::new(tokens),
+                leaf_lifetime: config.leaf_lifetime,
+                metrics: identity_metrics.clone(),
+            }))
+        }
+        None => None,
+    };
     let grpc = bind("grpc", config.grpc_addr).await?;
     let admin_listener = bind("admin", config.admin_addr).await?;
 
     let metrics = ControlMetrics::default();
     let mut registry = prometheus_client::registry::Registry::default();
     metrics.register(&mut registry);
+    identity_metrics.register(&mut registry);
     let readiness = Readiness::default();
     readiness.require(LOADED);
     let index = Index::new(metrics.clone());
@@ -96,6 +121,7 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         .add_service(DestinationServer::new(destination))
         .add_service(OutboundPoliciesServer::new(policy.clone()))
         .add_service(InboundServerPoliciesServer::new(policy))
+        .add_optional_service(identity)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(grpc),
             async move { signal.triggered().await },

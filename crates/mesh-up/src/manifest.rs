@@ -17,6 +17,9 @@ pub struct Manifest {
     pub services: Vec<ServiceSpec>,
     #[serde(default)]
     pub load: Vec<LoadTarget>,
+    /// Issue every workload a certificate and require mTLS between proxies.
+    #[serde(default = "yes")]
+    pub identity: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -56,6 +59,9 @@ fn default_namespace() -> String {
 }
 fn default_port() -> u16 {
     8080
+}
+fn yes() -> bool {
+    true
 }
 fn one() -> u32 {
     1

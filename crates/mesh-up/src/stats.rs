@@ -34,6 +34,8 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, Stri
 #[derive(Clone, Debug, Default)]
 pub struct Totals {
     pub by_authority: BTreeMap<String, AuthorityTotals>,
+    /// Inbound requests per authority: (all, over mTLS).
+    pub inbound_tls: BTreeMap<String, (f64, f64)>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -45,6 +47,22 @@ pub struct AuthorityTotals {
 }
 
 impl Totals {
+    /// Counts inbound requests, and those that arrived over mTLS.
+    pub fn add_inbound(&mut self, samples: &[Sample]) {
+        for s in samples.iter().filter(|s| {
+            s.name == "tether_proxy_requests_total" && s.label("direction") == Some("inbound")
+        }) {
+            let Some(authority) = s.label("authority") else {
+                continue;
+            };
+            let e = self.inbound_tls.entry(authority.to_string()).or_default();
+            e.0 += s.value;
+            if s.label("tls") == Some("true") {
+                e.1 += s.value;
+            }
+        }
+    }
+
     /// Adds one proxy's samples for `direction`.
     pub fn add(&mut self, samples: &[Sample], direction: &str) {
         for s in samples
@@ -88,6 +106,8 @@ pub struct Row {
     pub success_rate: f64,
     pub p50_ms: Option<f64>,
     pub p99_ms: Option<f64>,
+    /// Share of the interval's inbound requests that arrived over mTLS.
+    pub mtls: Option<f64>,
 }
 
 /// Rates over `dt` between two scrapes.
@@ -112,7 +132,19 @@ pub fn rows(before: &Totals, after: &Totals, dt: Duration) -> Vec<Row> {
                     (*le, (count - prev).max(0.0))
                 })
                 .collect();
+            let (all, tls) = after
+                .inbound_tls
+                .get(authority)
+                .copied()
+                .unwrap_or_default();
+            let (all0, tls0) = before
+                .inbound_tls
+                .get(authority)
+                .copied()
+                .unwrap_or_default();
+            let inbound = all - all0;
             Row {
+                mtls: (inbound > 0.0).then(|| (tls - tls0) / inbound),
                 authority: authority.clone(),
                 rps: requests / secs,
                 success_rate: if requests > 0.0 {
@@ -128,11 +160,13 @@ pub fn rows(before: &Totals, after: &Totals, dt: Duration) -> Vec<Row> {
 }
 
 /// Scrapes every admin address; unreachable ones are skipped.
-pub async fn scrape(admins: &[SocketAddr], direction: &str) -> Totals {
+pub async fn scrape(admins: &[SocketAddr]) -> Totals {
     let mut totals = Totals::default();
     for addr in admins {
         if let Ok((200, text)) = http_get(*addr, "/metrics").await {
-            totals.add(&prom::parse(&text), direction);
+            let samples = prom::parse(&text);
+            totals.add(&samples, "outbound");
+            totals.add_inbound(&samples);
         }
     }
     totals
@@ -140,18 +174,20 @@ pub async fn scrape(admins: &[SocketAddr], direction: &str) -> Totals {
 
 pub fn render(rows: &[Row]) -> String {
     let mut out = format!(
-        "{:<44} {:>8} {:>9} {:>9} {:>9}\n",
-        "SERVICE", "RPS", "SUCCESS", "P50", "P99"
+        "{:<44} {:>8} {:>9} {:>9} {:>9} {:>6}\n",
+        "SERVICE", "RPS", "SUCCESS", "P50", "P99", "MTLS"
     );
     let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}ms"));
     for r in rows {
         out.push_str(&format!(
-            "{:<44} {:>8.1} {:>8.2}% {:>9} {:>9}\n",
+            "{:<44} {:>8.1} {:>8.2}% {:>9} {:>9} {:>6}\n",
             r.authority,
             r.rps,
             r.success_rate * 100.0,
             ms(r.p50_ms),
-            ms(r.p99_ms)
+            ms(r.p99_ms),
+            r.mtls
+                .map_or("-".to_string(), |v| format!("{:.0}%", v * 100.0)),
         ));
     }
     out

@@ -36,6 +36,69 @@ pub struct UpOutcome {
     pub report: LoadReport,
 }
 
+/// The mesh's trust root and issuer, and the tokens handed to workloads.
+struct Identity {
+    dir: PathBuf,
+    tokens_dir: PathBuf,
+    tokens: tether_identity::token::LocalTokens,
+}
+
+impl Identity {
+    fn create(run_dir: &Path, trust_domain: &str) -> anyhow::Result<Self> {
+        let dir = run_dir.join("identity");
+        tether_identity::ca::init(&tether_identity::ca::InitOptions::new(&dir, trust_domain))?;
+        let tokens = tether_identity::token::LocalTokens::load(&dir)?;
+        let tokens_dir = run_dir.join("tokens");
+        std::fs::create_dir_all(&tokens_dir)?;
+        Ok(Self {
+            dir,
+            tokens_dir,
+            tokens,
+        })
+    }
+
+    /// The proxy flags for one workload, writing its token file.
+    fn proxy_args(&self, identity: &str) -> anyhow::Result<Vec<String>> {
+        let token_file = self.tokens_dir.join(format!("{identity}.token"));
+        std::fs::write(&token_file, self.tokens.issue(identity))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600))?;
+        Ok(vec![
+            "--identity".into(),
+            identity.into(),
+            "--identity-token-file".into(),
+            token_file.display().to_string(),
+            "--trust-root".into(),
+            self.dir.join("ca.crt").display().to_string(),
+            "--tls".into(),
+            "mandatory".into(),
+        ])
+    }
+}
+
+/// Waits until every proxy reports ready (it holds its certificate).
+async fn wait_ready(admins: &[SocketAddr]) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for admin in admins {
+        loop {
+            match stats::http_get(*admin, "/ready").await {
+                Ok((200, _)) => break,
+                Ok((_, body)) if Instant::now() > deadline => {
+                    anyhow::bail!(
+                        "proxy with admin {admin} not ready after 20s: {}",
+                        body.trim()
+                    )
+                }
+                Err(e) if Instant::now() > deadline => {
+                    anyhow::bail!("proxy with admin {admin}: {e}")
+                }
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Writes a registry document the safe way: a temporary file, then rename.
 pub fn write_document(dir: &Path, file: &str, doc: &Document) -> std::io::Result<()> {
     let tmp = dir.join(format!(".{file}.tmp"));
@@ -92,6 +155,14 @@ async fn start_and_run(
     let exe = &config.exe;
     let any = "127.0.0.1:0".to_string();
     let log = |name: &str| logs.join(format!("{name}.log"));
+    let identity = if m.identity {
+        Some(Identity::create(
+            logs.parent().expect("run dir"),
+            &m.cluster_domain,
+        )?)
+    } else {
+        None
+    };
 
     for s in &m.services {
         let doc = Document::Service(ServiceDoc {
@@ -123,6 +194,10 @@ async fn start_and_run(
         "--cluster-domain".into(),
         m.cluster_domain.clone(),
     ];
+    let mut control_args = control_args;
+    if let Some(id) = &identity {
+        control_args.extend(["--identity".to_string(), id.dir.display().to_string()]);
+    }
     let control = Process::spawn(
         exe,
         "control",
@@ -135,7 +210,7 @@ async fn start_and_run(
     let control_admin = control.addr("admin");
     mesh.processes.push(control);
 
-    let proxy_args = |app: Option<SocketAddr>| {
+    let proxy_args = |app: Option<SocketAddr>, name: &str| -> anyhow::Result<Vec<String>> {
         let mut a = vec![
             "proxy".to_string(),
             "--control".into(),
@@ -150,7 +225,10 @@ async fn start_and_run(
         if let Some(app) = app {
             a.extend(["--app".to_string(), app.to_string()]);
         }
-        a
+        if let Some(id) = &identity {
+            a.extend(id.proxy_args(name)?);
+        }
+        Ok(a)
     };
 
     let mut table = vec![format!(
@@ -179,10 +257,11 @@ async fn start_and_run(
             let app_addr = app.addr("http");
             mesh.processes.push(app);
             let proxy_name = format!("{replica}-proxy");
+            let id_name = tether_identity::identity_name(&s.name, ns, &m.cluster_domain);
             let proxy = Process::spawn(
                 exe,
                 &proxy_name,
-                &proxy_args(Some(app_addr)),
+                &proxy_args(Some(app_addr), &id_name)?,
                 &log(&proxy_name),
                 &["outbound", "inbound", "admin"],
             )
@@ -205,7 +284,7 @@ async fn start_and_run(
                     address: inbound,
                     port: None,
                     ready: true,
-                    identity: None,
+                    identity: identity.as_ref().map(|_| id_name.clone()),
                     zone: None,
                     weight: 1,
                     meshed: true,
@@ -216,10 +295,11 @@ async fn start_and_run(
             mesh.endpoint_files.push(mesh.registry.join(file));
         }
     }
+    let client_id = tether_identity::identity_name("loadgen", &m.namespace, &m.cluster_domain);
     let client = Process::spawn(
         exe,
         "loadgen-proxy",
-        &proxy_args(None),
+        &proxy_args(None, &client_id)?,
         &log("loadgen-proxy"),
         &["outbound", "admin"],
     )
@@ -235,7 +315,15 @@ async fn start_and_run(
     ));
     mesh.processes.push(client);
 
+    wait_ready(&admins).await?;
     println!("tether up: mesh running");
+    match &identity {
+        Some(id) => println!(
+            "  identity:      mTLS between every pair of proxies (--tls mandatory), trust root {}",
+            id.dir.join("ca.crt").display()
+        ),
+        None => println!("  identity:      off (plaintext between proxies)"),
+    }
     println!("  control plane: grpc {control_addr}, admin http://{control_admin}/metrics");
     println!("  registry:      {}", mesh.registry.display());
     println!("  logs:          {}", logs.display());
@@ -277,14 +365,14 @@ async fn start_and_run(
 
     // Live view until the load ends.
     let started = Instant::now();
-    let mut before = stats::scrape(&admins, "outbound").await;
+    let mut before = stats::scrape(&admins).await;
     let mut at = Instant::now();
     let mut tick = tokio::time::interval(config.interval);
     tick.tick().await;
     while !loads.iter().all(|l| l.is_finished()) {
         tokio::select! {
             _ = tick.tick() => {
-                let after = stats::scrape(&admins, "outbound").await;
+                let after = stats::scrape(&admins).await;
                 let now = Instant::now();
                 println!("\n[{:>5.0}s] live traffic (from proxy metrics)", started.elapsed().as_secs_f64());
                 print!("{}", stats::render(&stats::rows(&before, &after, now - at)));

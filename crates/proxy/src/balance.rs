@@ -19,6 +19,7 @@ use tokio::sync::watch;
 
 use crate::client::EndpointClient;
 use crate::discovery::{Endpoint, Resolution};
+use crate::tls::Connector;
 
 const DECAY: Duration = Duration::from_secs(10);
 /// The estimate an endpoint starts with, before any observation.
@@ -71,9 +72,9 @@ pub struct EndpointHandle {
 }
 
 impl EndpointHandle {
-    fn new(endpoint: Endpoint, connect_timeout: Duration) -> Self {
+    fn new(endpoint: Endpoint, connector: Arc<Connector>) -> Self {
         Self {
-            client: EndpointClient::new(endpoint.addr, connect_timeout),
+            client: EndpointClient::new(endpoint.addr, endpoint.identity.clone(), connector),
             endpoint,
             ewma: Mutex::new(PeakEwma::new()),
             in_flight: AtomicUsize::new(0),
@@ -127,17 +128,17 @@ struct Inner {
 /// The endpoints of one service, kept in step with its discovery stream.
 pub struct Balancer {
     inner: Mutex<Inner>,
-    connect_timeout: Duration,
+    connector: Arc<Connector>,
 }
 
 impl Balancer {
-    pub fn new(rx: watch::Receiver<Resolution>, connect_timeout: Duration) -> Self {
+    pub fn new(rx: watch::Receiver<Resolution>, connector: Arc<Connector>) -> Self {
         Self {
             inner: Mutex::new(Inner {
                 rx,
                 endpoints: Vec::new(),
             }),
-            connect_timeout,
+            connector,
         }
     }
 
@@ -160,7 +161,7 @@ impl Balancer {
                 .values()
                 .map(|ep| match old.remove(&ep.addr) {
                     Some(h) if h.endpoint == *ep => h,
-                    _ => Arc::new(EndpointHandle::new(ep.clone(), self.connect_timeout)),
+                    _ => Arc::new(EndpointHandle::new(ep.clone(), self.connector.clone())),
                 })
                 .collect();
         }
@@ -223,7 +224,7 @@ mod tests {
                 opaque: false,
                 labels: BTreeMap::new(),
             },
-            Duration::from_secs(1),
+            Connector::plain(Duration::from_secs(1)),
         ))
     }
 

@@ -4,7 +4,8 @@
 //! established once however many requests race for it, and re-established
 //! when it closes. HTTP/1 endpoints get a pool: a request takes an idle
 //! connection or opens one, and the connection returns to the pool (bounded)
-//! when its response body is done.
+//! when its response body is done. Whether a connection is TLS is decided
+//! by the [`Connector`].
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -18,6 +19,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpStream;
 
 use crate::http::Body;
+use crate::tls::Connector;
 
 /// Idle HTTP/1 connections kept per endpoint.
 const MAX_IDLE_H1: usize = 32;
@@ -28,42 +30,50 @@ pub enum Proto {
     Http2,
 }
 
-type Connecting = Shared<BoxFuture<'static, Result<http2::SendRequest<Body>, String>>>;
+type H2 = (http2::SendRequest<Body>, bool);
+type H1Pool = Arc<Mutex<Vec<(http1::SendRequest<Body>, bool)>>>;
+type Connecting = Shared<BoxFuture<'static, Result<H2, String>>>;
 
 enum H2Slot {
     Empty,
     Connecting(Connecting),
-    Ready(http2::SendRequest<Body>),
+    Ready(H2),
 }
 
 pub struct EndpointClient {
     addr: SocketAddr,
-    connect_timeout: Duration,
+    /// The identity the endpoint must prove, when TLS is used.
+    identity: Option<String>,
+    connector: Arc<Connector>,
     h2: Mutex<H2Slot>,
-    h1_idle: Arc<Mutex<Vec<http1::SendRequest<Body>>>>,
+    h1_idle: H1Pool,
+}
+
+enum Kind {
+    H1(http1::SendRequest<Body>, H1Pool),
+    H2(http2::SendRequest<Body>),
 }
 
 /// A connection ready to carry one request.
-pub enum Connection {
-    H1(
-        http1::SendRequest<Body>,
-        Arc<Mutex<Vec<http1::SendRequest<Body>>>>,
-    ),
-    H2(http2::SendRequest<Body>),
+pub struct Connection {
+    kind: Kind,
+    /// Whether the connection is (m)TLS.
+    pub tls: bool,
 }
 
 impl Connection {
     pub async fn send(self, req: Request<Body>) -> Result<Response<Incoming>, hyper::Error> {
-        match self {
-            Connection::H2(mut s) => s.send_request(req).await,
-            Connection::H1(mut s, pool) => {
+        match self.kind {
+            Kind::H2(mut s) => s.send_request(req).await,
+            Kind::H1(mut s, pool) => {
                 let rsp = s.send_request(req).await?;
+                let tls = self.tls;
                 // Back to the pool once the response body has been read.
                 tokio::spawn(async move {
                     if s.ready().await.is_ok() {
                         let mut idle = pool.lock().unwrap();
                         if idle.len() < MAX_IDLE_H1 {
-                            idle.push(s);
+                            idle.push((s, tls));
                         }
                     }
                 });
@@ -83,10 +93,11 @@ pub async fn connect_tcp(addr: SocketAddr, timeout: Duration) -> Result<TcpStrea
 }
 
 impl EndpointClient {
-    pub fn new(addr: SocketAddr, connect_timeout: Duration) -> Self {
+    pub fn new(addr: SocketAddr, identity: Option<String>, connector: Arc<Connector>) -> Self {
         Self {
             addr,
-            connect_timeout,
+            identity,
+            connector,
             h2: Mutex::new(H2Slot::Empty),
             h1_idle: Arc::default(),
         }
@@ -96,27 +107,37 @@ impl EndpointClient {
         self.addr
     }
 
+    /// A raw stream to the endpoint (for opaque TCP), TLS as policy says.
+    pub async fn connect_stream(&self) -> Result<(crate::tls::BoxedIo, bool), String> {
+        self.connector
+            .connect(self.addr, self.identity.as_deref())
+            .await
+    }
+
     pub async fn connection(&self, proto: Proto) -> Result<Connection, String> {
         match proto {
             Proto::Http1 => self.h1().await,
-            Proto::Http2 => self.h2().await.map(Connection::H2),
+            Proto::Http2 => self.h2().await.map(|(s, tls)| Connection {
+                kind: Kind::H2(s),
+                tls,
+            }),
         }
     }
 
     async fn h1(&self) -> Result<Connection, String> {
         loop {
-            let Some(mut s) = self.h1_idle.lock().unwrap().pop() else {
+            let Some((mut s, tls)) = self.h1_idle.lock().unwrap().pop() else {
                 break;
             };
-            if s.is_ready() {
-                return Ok(Connection::H1(s, self.h1_idle.clone()));
-            }
-            if !s.is_closed() && s.ready().await.is_ok() {
-                return Ok(Connection::H1(s, self.h1_idle.clone()));
+            if s.is_ready() || (!s.is_closed() && s.ready().await.is_ok()) {
+                return Ok(Connection {
+                    kind: Kind::H1(s, self.h1_idle.clone()),
+                    tls,
+                });
             }
         }
-        let stream = connect_tcp(self.addr, self.connect_timeout).await?;
-        let (sender, conn) = http1::handshake(TokioIo::new(stream))
+        let (io, tls) = self.connect_stream().await?;
+        let (sender, conn) = http1::handshake(TokioIo::new(io))
             .await
             .map_err(|e| e.to_string())?;
         tokio::spawn(async move {
@@ -124,17 +145,24 @@ impl EndpointClient {
                 tracing::debug!(error = %e, "HTTP/1 connection ended");
             }
         });
-        Ok(Connection::H1(sender, self.h1_idle.clone()))
+        Ok(Connection {
+            kind: Kind::H1(sender, self.h1_idle.clone()),
+            tls,
+        })
     }
 
-    async fn h2(&self) -> Result<http2::SendRequest<Body>, String> {
+    async fn h2(&self) -> Result<H2, String> {
         let connecting = {
             let mut slot = self.h2.lock().unwrap();
             match &*slot {
-                H2Slot::Ready(s) if !s.is_closed() => return Ok(s.clone()),
+                H2Slot::Ready((s, tls)) if !s.is_closed() => return Ok((s.clone(), *tls)),
                 H2Slot::Connecting(f) => f.clone(),
                 _ => {
-                    let f = h2_connect(self.addr, self.connect_timeout).boxed().shared();
+                    let (addr, identity, connector) =
+                        (self.addr, self.identity.clone(), self.connector.clone());
+                    let f = async move { h2_connect(addr, identity.as_deref(), &connector).await }
+                        .boxed()
+                        .shared();
                     *slot = H2Slot::Connecting(f.clone());
                     f
                 }
@@ -143,9 +171,9 @@ impl EndpointClient {
         let result = connecting.await;
         let mut slot = self.h2.lock().unwrap();
         match &result {
-            Ok(s) => {
+            Ok(conn) => {
                 if matches!(&*slot, H2Slot::Connecting(_)) {
-                    *slot = H2Slot::Ready(s.clone());
+                    *slot = H2Slot::Ready(conn.clone());
                 }
             }
             Err(_) => *slot = H2Slot::Empty,
@@ -156,14 +184,15 @@ impl EndpointClient {
 
 async fn h2_connect(
     addr: SocketAddr,
-    timeout: Duration,
-) -> Result<http2::SendRequest<Body>, String> {
-    let stream = connect_tcp(addr, timeout).await?;
+    identity: Option<&str>,
+    connector: &Connector,
+) -> Result<H2, String> {
+    let (io, tls) = connector.connect(addr, identity).await?;
     let (sender, conn) = http2::Builder::new(TokioExecutor::new())
         .timer(hyper_util::rt::TokioTimer::new())
         .keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(10))
-        .handshake(TokioIo::new(stream))
+        .handshake(TokioIo::new(io))
         .await
         .map_err(|e| e.to_string())?;
     tokio::spawn(async move {
@@ -171,5 +200,5 @@ async fn h2_connect(
             tracing::debug!(error = %e, %addr, "HTTP/2 connection ended");
         }
     });
-    Ok(sender)
+    Ok((sender, tls))
 }

@@ -104,6 +104,11 @@ impl Discovery {
         })
     }
 
+    /// The control-plane channels, for other APIs (identity) to share.
+    pub fn channels(&self) -> Vec<(String, Channel)> {
+        self.channels.to_vec()
+    }
+
     /// Starts resolving `authority`. The stream lives as long as any
     /// receiver does.
     pub fn resolve(&self, authority: &str) -> watch::Receiver<Resolution> {

@@ -17,6 +17,10 @@
 //! - [`http`]: what both sides do to HTTP messages (hop-by-hop headers,
 //!   protocol upgrade between proxies, error responses).
 //! - [`serve`]: accept loops with graceful shutdown.
+//! - [`identity`]: the proxy's certificate: key and CSR made in memory,
+//!   certified by the control plane, renewed before expiry.
+//! - [`tls`]: when a connection between proxies is mTLS, plaintext, or
+//!   refused (`--tls opportunistic|mandatory`).
 //! - [`metrics`]: request counts, latency histograms, open connections.
 
 pub mod balance;
@@ -25,10 +29,12 @@ pub mod detect;
 pub mod discovery;
 pub mod errors;
 pub mod http;
+pub mod identity;
 pub mod inbound;
 pub mod metrics;
 pub mod outbound;
 pub mod serve;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -53,6 +59,9 @@ pub struct ProxyConfig {
     pub connect_timeout: Duration,
     /// How long in-flight requests may take to finish on shutdown.
     pub drain_timeout: Duration,
+    /// This proxy's identity; mTLS between proxies needs it.
+    pub identity: Option<identity::IdentityConfig>,
+    pub tls_mode: tls::TlsMode,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +72,10 @@ pub enum ProxyStartError {
     ControlAddr(String),
     #[error("no control-plane address given")]
     NoControl,
+    #[error("--tls mandatory needs an identity (--identity, --identity-token-file, --trust-root)")]
+    MandatoryWithoutIdentity,
+    #[error("identity: {0}")]
+    Tls(#[from] tether_identity::tls::TlsError),
 }
 
 /// Runs the proxy until `shutdown` fires and in-flight work has drained.
@@ -70,10 +83,38 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
     if config.control.is_empty() {
         return Err(ProxyStartError::NoControl);
     }
+    if config.tls_mode == tls::TlsMode::Mandatory && config.identity.is_none() {
+        return Err(ProxyStartError::MandatoryWithoutIdentity);
+    }
     let discovery = discovery::Discovery::new(&config.control)?;
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = metrics::ProxyMetrics::default();
     metrics.register(&mut registry);
+    let identity_metrics = identity::IdentityMetrics::default();
+    let readiness = Readiness::default();
+    let store = tether_identity::tls::CertStore::new();
+    let (client_tls, server_tls) = match &config.identity {
+        Some(id) => {
+            identity_metrics.register(&mut registry);
+            readiness.require(identity::CERTIFICATE);
+            let roots = Arc::new(tether_identity::tls::load_roots(&id.trust_root)?);
+            let client = tether_identity::tls::client_config(store.clone(), roots.clone())?;
+            let server = tether_identity::tls::server_config(store.clone(), roots)?;
+            (
+                Some(Arc::new(tls::TlsClient {
+                    config: client,
+                    store: store.clone(),
+                    mode: config.tls_mode,
+                })),
+                Some(server),
+            )
+        }
+        None => (None, None),
+    };
+    let connector = Arc::new(tls::Connector {
+        connect_timeout: config.connect_timeout,
+        tls: client_tls,
+    });
 
     let outbound_listener = bind("outbound", config.outbound).await?;
     let inbound_listener = match config.app {
@@ -86,7 +127,16 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
     }
     let admin_listener = bind("admin", config.admin).await?;
 
-    let readiness = Readiness::default();
+    if let Some(id) = &config.identity {
+        tokio::spawn(identity::maintain(
+            id.clone(),
+            discovery.channels(),
+            store,
+            readiness.clone(),
+            identity_metrics,
+            shutdown.clone(),
+        ));
+    }
     tokio::spawn(tether_admin::serve(
         admin_listener,
         Admin {
@@ -97,7 +147,12 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
         shutdown.clone(),
     ));
 
-    let outbound = Arc::new(outbound::Outbound::new(discovery, metrics.clone(), &config));
+    let outbound = Arc::new(outbound::Outbound::new(
+        discovery,
+        metrics.clone(),
+        &config,
+        connector,
+    ));
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(outbound.clone().serve(
         outbound_listener,
@@ -113,7 +168,12 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
         )));
     }
     if let (Some(listener), Some(app)) = (inbound_listener, config.app) {
-        let inbound = Arc::new(inbound::Inbound::new(app, metrics.clone(), &config));
+        let inbound = Arc::new(inbound::Inbound::new(
+            app,
+            metrics.clone(),
+            &config,
+            server_tls,
+        ));
         tasks.push(tokio::spawn(inbound.serve(
             listener,
             shutdown.clone(),

@@ -13,6 +13,22 @@ pub struct RequestLabels {
     pub direction: String,
     pub authority: String,
     pub status_class: String,
+    /// Whether the hop between proxies was (m)TLS.
+    pub tls: String,
+    /// The peer's verified identity (inbound, over mTLS).
+    pub client_id: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: String,
+}
+
+/// What is known about the hop a request took.
+#[derive(Clone, Debug, Default)]
+pub struct Hop {
+    pub tls: bool,
+    pub client_id: Option<std::sync::Arc<str>>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -42,6 +58,7 @@ pub struct ProxyMetrics {
     pub latency: Family<RouteLabels, Histogram, LatencyBuckets>,
     pub open_connections: Family<DirectionLabels, Gauge>,
     pub tcp_bytes: Family<DirectionLabels, Counter>,
+    pub inbound_refused: Family<ReasonLabels, Counter>,
 }
 
 impl Default for ProxyMetrics {
@@ -51,6 +68,7 @@ impl Default for ProxyMetrics {
             latency: Family::new_with_constructor(LatencyBuckets),
             open_connections: Family::default(),
             tcp_bytes: Family::default(),
+            inbound_refused: Family::default(),
         }
     }
 }
@@ -77,6 +95,19 @@ impl ProxyMetrics {
             "Bytes forwarded on opaque TCP connections",
             self.tcp_bytes.clone(),
         );
+        registry.register(
+            "tether_proxy_inbound_refused",
+            "Inbound connections refused, by reason (plaintext under mandatory TLS, TLS handshake failure)",
+            self.inbound_refused.clone(),
+        );
+    }
+
+    pub fn refuse(&self, reason: &str) {
+        self.inbound_refused
+            .get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            })
+            .inc();
     }
 
     pub fn record(
@@ -85,12 +116,15 @@ impl ProxyMetrics {
         authority: &str,
         class: &str,
         latency: std::time::Duration,
+        hop: &Hop,
     ) {
         self.requests
             .get_or_create(&RequestLabels {
                 direction: direction.into(),
                 authority: authority.into(),
                 status_class: class.into(),
+                tls: hop.tls.to_string(),
+                client_id: hop.client_id.as_deref().unwrap_or("").into(),
             })
             .inc();
         self.latency

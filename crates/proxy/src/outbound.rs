@@ -19,7 +19,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::balance::{pick, Balancer, EndpointHandle};
-use crate::client::{connect_tcp, Proto};
+use crate::client::Proto;
 use crate::detect::OPAQUE_PREFACE;
 use crate::discovery::Discovery;
 use crate::errors::ProxyError;
@@ -27,8 +27,9 @@ use crate::http::{
     error_response, is_grpc, request_authority, rewrite_for_hop, status_class, strip_hop_by_hop,
     Body, ORIG_PROTO,
 };
-use crate::metrics::ProxyMetrics;
+use crate::metrics::{Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http};
+use crate::tls::Connector;
 use crate::ProxyConfig;
 
 /// Endpoints tried per request when connections fail.
@@ -46,7 +47,7 @@ pub struct Outbound {
     services: Mutex<HashMap<String, Arc<Service>>>,
     metrics: ProxyMetrics,
     failfast_timeout: Duration,
-    connect_timeout: Duration,
+    connector: Arc<Connector>,
 }
 
 /// Adds the default port and lowercases, so `Web.demo` and `web.demo:80`
@@ -62,13 +63,18 @@ fn normalize(authority: &str) -> Result<String, ProxyError> {
 }
 
 impl Outbound {
-    pub fn new(discovery: Discovery, metrics: ProxyMetrics, config: &ProxyConfig) -> Self {
+    pub fn new(
+        discovery: Discovery,
+        metrics: ProxyMetrics,
+        config: &ProxyConfig,
+        connector: Arc<Connector>,
+    ) -> Self {
         Self {
             discovery,
             services: Mutex::default(),
             metrics,
             failfast_timeout: config.failfast_timeout,
-            connect_timeout: config.connect_timeout,
+            connector,
         }
     }
 
@@ -156,7 +162,7 @@ impl Outbound {
                 Arc::new(Service {
                     balancer: Balancer::new(
                         self.discovery.resolve(authority),
-                        self.connect_timeout,
+                        self.connector.clone(),
                     ),
                     last_used: Mutex::new(Instant::now()),
                 })
@@ -226,15 +232,16 @@ impl Outbound {
             }
             Err(e) => ("".to_string(), Err(e)),
         };
-        let rsp = result.unwrap_or_else(|e| {
+        let (rsp, hop) = result.unwrap_or_else(|e| {
             tracing::debug!(authority = %label, error = %e, "outbound request failed");
-            error_response(&e, grpc)
+            (error_response(&e, grpc), Hop::default())
         });
         self.metrics.record(
             "outbound",
             &label,
             status_class(rsp.status()),
             start.elapsed(),
+            &hop,
         );
         rsp
     }
@@ -243,7 +250,7 @@ impl Outbound {
         &self,
         authority: &str,
         req: Request<Incoming>,
-    ) -> Result<Response<Body>, ProxyError> {
+    ) -> Result<(Response<Body>, Hop), ProxyError> {
         let svc = self.service(authority);
         let endpoints = self.ready_endpoints(&svc).await?;
         let version = req.version();
@@ -258,13 +265,13 @@ impl Outbound {
                 break;
             };
             let addr = ep.endpoint.addr;
-            let hop = if ep.endpoint.meshed || version == Version::HTTP_2 {
+            let proto = if ep.endpoint.meshed || version == Version::HTTP_2 {
                 Proto::Http2
             } else {
                 Proto::Http1
             };
             let in_flight = ep.start();
-            let conn = match ep.client.connection(hop).await {
+            let conn = match ep.client.connection(proto).await {
                 Ok(c) => c,
                 Err(reason) => {
                     tracing::debug!(%addr, %reason, "connect failed; trying another endpoint");
@@ -274,16 +281,20 @@ impl Outbound {
                     continue;
                 }
             };
+            let hop = Hop {
+                tls: conn.tls,
+                client_id: None,
+            };
             let (parts, body) = request.take().expect("request is sent once");
             let carry_http1 = ep.endpoint.meshed && version != Version::HTTP_2;
-            let req = rewrite_for_hop(parts, body, authority, hop, carry_http1);
+            let req = rewrite_for_hop(parts, body, authority, proto, carry_http1);
             let sent = Instant::now();
             return match conn.send(req).await {
                 Ok(rsp) => {
                     in_flight.observe(sent.elapsed());
                     let (mut parts, body) = rsp.into_parts();
                     strip_hop_by_hop(&mut parts.headers);
-                    Ok(Response::from_parts(parts, body.boxed()))
+                    Ok((Response::from_parts(parts, body.boxed()), hop))
                 }
                 Err(e) => {
                     ep.mark_failed();
@@ -307,8 +318,8 @@ impl Outbound {
         while let Some(ep) = pick(endpoints, &tried) {
             let addr = ep.endpoint.addr;
             let _in_flight = ep.start();
-            let mut server = match connect_tcp(addr, self.connect_timeout).await {
-                Ok(s) => s,
+            let mut server = match ep.client.connect_stream().await {
+                Ok((s, _tls)) => s,
                 Err(reason) => {
                     tracing::debug!(%authority, %addr, %reason, "opaque connect failed");
                     ep.mark_failed();

@@ -1,0 +1,123 @@
+//! `io.linkerd.proxy.identity.Identity/Certify`: signs a workload's CSR
+//! once its bootstrap token proves it may have the identity it asks for.
+//!
+//! Order of checks: token (who are you?), requested identity (is that what
+//! the token allows?), CSR (well-formed, validly signed, naming exactly that
+//! identity?), issuer (still valid?). Any refusal signs nothing, answers a
+//! gRPC error naming the cause, and is counted by cause.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use linkerd2_proxy_api::identity::{identity_server::Identity, CertifyRequest, CertifyResponse};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tether_identity::ca::{Issuer, SignError};
+use tether_identity::token::TokenValidator;
+use tonic::{Request, Response, Status};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CauseLabels {
+    pub cause: String,
+}
+
+#[derive(Clone, Default)]
+pub struct IdentityMetrics {
+    pub issued: Counter,
+    pub refusals: Family<CauseLabels, Counter>,
+}
+
+impl IdentityMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "tether_identity_certificates_issued",
+            "Leaf certificates signed",
+            self.issued.clone(),
+        );
+        registry.register(
+            "tether_identity_certify_refusals",
+            "Certify requests refused, by cause (token, identity, csr_name, malformed_csr, issuer_expired, signing)",
+            self.refusals.clone(),
+        );
+    }
+
+    fn refuse(&self, cause: &str, status: Status) -> Status {
+        self.refusals
+            .get_or_create(&CauseLabels {
+                cause: cause.into(),
+            })
+            .inc();
+        tracing::warn!(cause, error = %status.message(), "Certify refused");
+        status
+    }
+}
+
+#[derive(Clone)]
+pub struct IdentityService {
+    pub issuer: Arc<Issuer>,
+    pub tokens: Arc<dyn TokenValidator>,
+    pub leaf_lifetime: Duration,
+    pub metrics: IdentityMetrics,
+}
+
+fn timestamp(t: std::time::SystemTime) -> prost_types::Timestamp {
+    let d = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    prost_types::Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+#[tonic::async_trait]
+impl Identity for IdentityService {
+    async fn certify(
+        &self,
+        req: Request<CertifyRequest>,
+    ) -> Result<Response<CertifyResponse>, Status> {
+        let req = req.into_inner();
+        let m = &self.metrics;
+        let allowed = self.tokens.validate(&req.token).map_err(|e| {
+            m.refuse(
+                "token",
+                Status::unauthenticated(format!("invalid token: {e}")),
+            )
+        })?;
+        if req.identity != allowed {
+            return Err(m.refuse(
+                "identity",
+                Status::permission_denied(format!(
+                    "token allows identity {allowed:?}, request asks for {:?}",
+                    req.identity
+                )),
+            ));
+        }
+        let issued = self
+            .issuer
+            .sign(
+                &req.certificate_signing_request,
+                &allowed,
+                self.leaf_lifetime,
+            )
+            .map_err(|e| match &e {
+                SignError::MalformedCsr(_) => {
+                    m.refuse("malformed_csr", Status::invalid_argument(e.to_string()))
+                }
+                SignError::WrongName { .. } => {
+                    m.refuse("csr_name", Status::permission_denied(e.to_string()))
+                }
+                SignError::IssuerExpired(_) => {
+                    m.refuse("issuer_expired", Status::failed_precondition(e.to_string()))
+                }
+                SignError::Signing(_) => m.refuse("signing", Status::internal(e.to_string())),
+            })?;
+        m.issued.inc();
+        tracing::info!(identity = %allowed, "certificate issued");
+        Ok(Response::new(CertifyResponse {
+            leaf_certificate: issued.leaf_der,
+            intermediate_certificates: issued.chain,
+            valid_until: Some(timestamp(issued.valid_until)),
+        }))
+    }
+}

@@ -1,0 +1,26 @@
+//! Identity for Tether: who a workload is, and how that is proven.
+//!
+//! - [`ca`]: the trust root and the issuer (`tether identity init`), and
+//!   signing a workload's CSR into a short-lived leaf certificate.
+//! - [`token`]: bootstrap tokens that entitle a workload to one identity,
+//!   behind the [`token::TokenValidator`] trait (Kubernetes mode will verify
+//!   ServiceAccount tokens behind the same trait).
+//! - [`csr`]: a workload's key pair and CSR, made in memory.
+//! - [`cert`]: reading identities and expiry out of certificates.
+//! - [`tls`]: rustls client and server configurations that present the
+//!   current certificate (replaced in place on renewal) and verify peers
+//!   against the trust root.
+//!
+//! Identities are DNS-like names:
+//! `<account>.<namespace>.serviceaccount.identity.<trust-domain>`.
+
+pub mod ca;
+pub mod cert;
+pub mod csr;
+pub mod tls;
+pub mod token;
+
+/// The identity of a workload's service account.
+pub fn identity_name(account: &str, namespace: &str, trust_domain: &str) -> String {
+    format!("{account}.{namespace}.serviceaccount.identity.{trust_domain}")
+}

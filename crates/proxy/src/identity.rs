@@ -1,0 +1,155 @@
+//! The proxy's own identity: it makes a key and CSR in memory, asks the
+//! control plane to certify them, and renews at about 70% of the
+//! certificate's lifetime. On failure it retries with backoff while the
+//! current certificate stays in use. Readiness waits for the first
+//! certificate.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use linkerd2_proxy_api::identity::{identity_client::IdentityClient, CertifyRequest};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use rand::Rng;
+use tether_admin::{Readiness, Shutdown};
+use tether_identity::tls::CertStore;
+use tonic::transport::Channel;
+
+/// The readiness condition this module sets.
+pub const CERTIFICATE: &str = "certificate";
+const BACKOFF_MIN: Duration = Duration::from_millis(200);
+const BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Debug)]
+pub struct IdentityConfig {
+    /// The identity to ask for, e.g. `web.demo.serviceaccount.identity.cluster.local`.
+    pub name: String,
+    /// The bootstrap token proving the right to that identity.
+    pub token: String,
+    /// The trust root (PEM), to verify peers.
+    pub trust_root: PathBuf,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: String,
+}
+
+#[derive(Clone, Default)]
+pub struct IdentityMetrics {
+    pub expiry: Gauge<f64, AtomicU64>,
+    pub renewals: Family<OutcomeLabels, Counter>,
+}
+
+impl IdentityMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "tether_identity_cert_expiry_timestamp_seconds",
+            "When the current certificate expires (unix seconds)",
+            self.expiry.clone(),
+        );
+        registry.register(
+            "tether_identity_renewals",
+            "Certificate requests by outcome (ok, error)",
+            self.renewals.clone(),
+        );
+    }
+
+    fn outcome(&self, outcome: &str) {
+        self.renewals
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.into(),
+            })
+            .inc();
+    }
+}
+
+async fn certify_once(
+    client: &mut IdentityClient<Channel>,
+    config: &IdentityConfig,
+    store: &CertStore,
+) -> Result<SystemTime, String> {
+    let kc = tether_identity::csr::generate(&config.name)
+        .map_err(|e| format!("making key and CSR: {e}"))?;
+    let rsp = client
+        .certify(CertifyRequest {
+            identity: config.name.clone(),
+            token: config.token.clone().into_bytes(),
+            certificate_signing_request: kc.csr_der,
+        })
+        .await
+        .map_err(|s| format!("Certify refused ({:?}): {}", s.code(), s.message()))?
+        .into_inner();
+    let expires = tether_identity::cert::not_after(&rsp.leaf_certificate)
+        .ok_or_else(|| "control plane returned an unreadable certificate".to_string())?;
+    let named = tether_identity::cert::dns_names(&rsp.leaf_certificate);
+    if named != [config.name.clone()] {
+        return Err(format!(
+            "control plane certified {named:?}, not {:?}",
+            config.name
+        ));
+    }
+    store
+        .install(
+            rsp.leaf_certificate,
+            rsp.intermediate_certificates,
+            kc.key_pkcs8,
+            expires,
+        )
+        .map_err(|e| e.to_string())?;
+    Ok(expires)
+}
+
+/// Keeps a valid certificate in `store` until shutdown.
+pub async fn maintain(
+    config: IdentityConfig,
+    channels: Vec<(String, Channel)>,
+    store: Arc<CertStore>,
+    readiness: Readiness,
+    metrics: IdentityMetrics,
+    shutdown: Shutdown,
+) {
+    let mut backoff = BACKOFF_MIN;
+    let mut next = 0usize;
+    loop {
+        let (addr, channel) = &channels[next % channels.len()];
+        let mut client = IdentityClient::new(channel.clone());
+        let wait = match certify_once(&mut client, &config, &store).await {
+            Ok(expires) => {
+                metrics.outcome("ok");
+                backoff = BACKOFF_MIN;
+                readiness.set(CERTIFICATE, true);
+                let secs = expires
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs_f64();
+                metrics.expiry.set(secs);
+                let lifetime = expires
+                    .duration_since(SystemTime::now())
+                    .unwrap_or_default();
+                tracing::info!(identity = %config.name, valid_for = ?lifetime, "certificate installed");
+                lifetime.mul_f64(0.7)
+            }
+            Err(error) => {
+                metrics.outcome("error");
+                tracing::warn!(control = %addr, %error, "certificate request failed; retrying");
+                if !store.has_valid() {
+                    readiness.set(CERTIFICATE, false);
+                }
+                next += 1;
+                let wait = backoff.mul_f64(rand::rng().random_range(0.5..1.0));
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                wait
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.triggered() => return,
+        }
+    }
+}

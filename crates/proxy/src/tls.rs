@@ -1,0 +1,117 @@
+//! Transport security between proxies: whether a connection is made over
+//! mutual TLS, refused, or (only in opportunistic mode) made in plaintext.
+//!
+//! | endpoint has an identity? | we hold a certificate? | opportunistic | mandatory |
+//! | --- | --- | --- | --- |
+//! | yes | yes | mTLS, verifying that identity | mTLS |
+//! | yes | no  | plaintext | refused |
+//! | no  | —   | plaintext | refused |
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::pki_types::ServerName;
+use rustls::ClientConfig;
+use tether_identity::tls::{explain, CertStore};
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::client::connect_tcp;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TlsMode {
+    /// Accept plaintext and TLS; use TLS whenever both sides can.
+    #[default]
+    Opportunistic,
+    /// Never accept or send plaintext between proxies.
+    Mandatory,
+}
+
+impl std::str::FromStr for TlsMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "opportunistic" => Ok(Self::Opportunistic),
+            "mandatory" => Ok(Self::Mandatory),
+            _ => Err(format!(
+                "unknown TLS mode {s:?}: expected opportunistic or mandatory"
+            )),
+        }
+    }
+}
+
+/// Any stream a connection may run over.
+pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
+pub type BoxedIo = Box<dyn Io>;
+
+pub struct TlsClient {
+    pub config: Arc<ClientConfig>,
+    pub store: Arc<CertStore>,
+    pub mode: TlsMode,
+}
+
+/// Makes connections to endpoints, with TLS as policy says.
+pub struct Connector {
+    pub connect_timeout: Duration,
+    pub tls: Option<Arc<TlsClient>>,
+}
+
+enum Plan<'a> {
+    Plain,
+    Tls(&'a str),
+    Refuse(String),
+}
+
+impl Connector {
+    pub fn plain(connect_timeout: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            connect_timeout,
+            tls: None,
+        })
+    }
+
+    fn plan<'a>(&self, identity: Option<&'a str>) -> Plan<'a> {
+        let Some(tls) = &self.tls else {
+            return Plan::Plain;
+        };
+        let mandatory = tls.mode == TlsMode::Mandatory;
+        match identity {
+            Some(id) if tls.store.has_valid() => Plan::Tls(id),
+            Some(_) if mandatory => Plan::Refuse(
+                "this proxy holds no certificate yet; mandatory TLS refuses plaintext".into(),
+            ),
+            None if mandatory => {
+                Plan::Refuse("endpoint has no TLS identity; mandatory TLS refuses plaintext".into())
+            }
+            _ => Plan::Plain,
+        }
+    }
+
+    /// Connects to `addr`; returns the stream and whether it is TLS.
+    pub async fn connect(
+        &self,
+        addr: SocketAddr,
+        identity: Option<&str>,
+    ) -> Result<(BoxedIo, bool), String> {
+        let plan = self.plan(identity);
+        if let Plan::Refuse(reason) = plan {
+            return Err(reason);
+        }
+        let tcp = connect_tcp(addr, self.connect_timeout).await?;
+        match (plan, &self.tls) {
+            (Plan::Tls(id), Some(tls)) => {
+                let name = ServerName::try_from(id.to_string())
+                    .map_err(|_| format!("{id:?} is not a valid TLS name"))?;
+                let connector = tokio_rustls::TlsConnector::from(tls.config.clone());
+                let stream =
+                    tokio::time::timeout(self.connect_timeout, connector.connect(name, tcp))
+                        .await
+                        .map_err(|_| format!("TLS handshake with {id} timed out"))?
+                        .map_err(|e| explain(&e, id))?;
+                Ok((Box::new(stream), true))
+            }
+            _ => Ok((Box::new(tcp), false)),
+        }
+    }
+}
