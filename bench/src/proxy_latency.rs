@@ -1,5 +1,6 @@
-//! Proxy latency benchmark: the demo app called directly versus through an
-//! outbound and an inbound proxy, measured side by side in one run.
+//! Proxy latency benchmark: the demo app called directly, through an
+//! outbound and an inbound proxy in plaintext, and through the same pair
+//! over mutual TLS, measured side by side in one run.
 //!
 //! 1. Open loop at a fixed rate (latency from the intended send time, so
 //!    coordinated omission is corrected): p50/p99/p99.9, added latency and
@@ -75,19 +76,29 @@ fn usage(pid: u32) -> (f64, u64) {
     (cpu, hwm)
 }
 
+/// One way to reach the app: a name, where to connect, the authority.
+struct Route {
+    name: &'static str,
+    connect: std::net::SocketAddr,
+    authority: String,
+    /// The proxies on this route, for CPU and memory.
+    pids: Vec<u32>,
+}
+
 fn load(
     args: &Args,
-    connect: std::net::SocketAddr,
+    route: &Route,
     rate: Option<f64>,
     seconds: f64,
 ) -> anyhow::Result<serde_json::Value> {
+    let connect = route.connect;
     let mut cmd = std::process::Command::new(&args.tether);
     cmd.args([
         "load",
         "--connect",
         &connect.to_string(),
         "--authority",
-        "web.bench.svc.cluster.local:8080",
+        &route.authority,
         "--duration",
         &seconds.to_string(),
         "--concurrency",
@@ -127,21 +138,26 @@ async fn main() -> anyhow::Result<()> {
     let s = |v: &str| v.to_string();
     let any = "127.0.0.1:0";
 
-    write_document(
-        &registry,
-        "web.yaml",
-        &Document::Service(ServiceDoc {
-            name: s("web"),
-            namespace: s("bench"),
-            ports: vec![PortSpec {
-                port: 8080,
-                opaque: false,
-            }],
-            global_id: None,
-            mode: None,
-            endpoints: vec![],
-        }),
-    )?;
+    let ca = dir.join("identity");
+    tether_identity::ca::init(&tether_identity::ca::InitOptions::new(&ca, "cluster.local"))?;
+    let tokens = tether_identity::token::LocalTokens::load(&ca)?;
+    for name in ["web", "web-tls"] {
+        write_document(
+            &registry,
+            &format!("{name}.yaml"),
+            &Document::Service(ServiceDoc {
+                name: s(name),
+                namespace: s("bench"),
+                ports: vec![PortSpec {
+                    port: 8080,
+                    opaque: false,
+                }],
+                global_id: None,
+                mode: None,
+                endpoints: vec![],
+            }),
+        )?;
+    }
     let app = Process::spawn(
         &args.tether,
         "app",
@@ -161,12 +177,16 @@ async fn main() -> anyhow::Result<()> {
             s(any),
             s("--admin"),
             s(any),
+            s("--identity"),
+            ca.display().to_string(),
         ],
         &log("control"),
         &["grpc", "admin"],
     )
     .await?;
-    let proxy = |app: Option<std::net::SocketAddr>| {
+    let proxy = |app: Option<std::net::SocketAddr>,
+                 identity: Option<&str>|
+     -> anyhow::Result<Vec<String>> {
         let mut a = vec![
             s("proxy"),
             s("--control"),
@@ -181,120 +201,201 @@ async fn main() -> anyhow::Result<()> {
         if let Some(app) = app {
             a.extend([s("--app"), app.to_string()]);
         }
-        a
+        if let Some(id) = identity {
+            let token = dir.join(format!("{id}.token"));
+            std::fs::write(&token, tokens.issue(id))?;
+            a.extend([
+                s("--identity"),
+                s(id),
+                s("--identity-token-file"),
+                token.display().to_string(),
+                s("--trust-root"),
+                ca.join("ca.crt").display().to_string(),
+                s("--tls"),
+                s("mandatory"),
+            ]);
+        }
+        Ok(a)
     };
-    let server = Process::spawn(
-        &args.tether,
-        "server-proxy",
-        &proxy(Some(app.addr("http"))),
-        &log("server"),
+    let server_id = tether_identity::identity_name("web", "bench", "cluster.local");
+    let client_id = tether_identity::identity_name("client", "bench", "cluster.local");
+    let app_addr = Some(app.addr("http"));
+    let spawn = |name: &'static str, argv: Vec<String>, expect: &'static [&'static str]| {
+        let log = log(name);
+        let tether = args.tether.clone();
+        async move { Process::spawn(&tether, name, &argv, &log, expect).await }
+    };
+    let server = spawn("server", proxy(app_addr, None)?, &["inbound", "admin"]).await?;
+    let client = spawn("client", proxy(None, None)?, &["outbound", "admin"]).await?;
+    let server_tls = spawn(
+        "server-tls",
+        proxy(app_addr, Some(&server_id))?,
         &["inbound", "admin"],
     )
     .await?;
-    let client = Process::spawn(
-        &args.tether,
-        "client-proxy",
-        &proxy(None),
-        &log("client"),
+    let client_tls = spawn(
+        "client-tls",
+        proxy(None, Some(&client_id))?,
         &["outbound", "admin"],
     )
     .await?;
-    write_document(
-        &registry,
-        "web-0.yaml",
-        &Document::Endpoints(EndpointsDoc {
-            service: s("web"),
-            namespace: s("bench"),
-            endpoints: vec![EndpointSpec {
-                address: server.addr("inbound"),
-                port: None,
-                ready: true,
-                identity: None,
-                zone: None,
-                weight: 1,
-                meshed: true,
-                name: None,
-            }],
-        }),
-    )?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let direct = app.addr("http");
-    let mesh = client.addr("outbound");
-    // Warm up both paths (connections, discovery).
-    load(&args, direct, Some(200.0), 1.0)?;
-    load(&args, mesh, Some(200.0), 1.0)?;
-
-    let pids = [client.pid().unwrap_or(0), server.pid().unwrap_or(0)];
-    let cpu = || pids.iter().map(|p| usage(*p).0).sum::<f64>();
+    for (file, service, proxy, identity) in [
+        ("web-0.yaml", "web", &server, None),
+        (
+            "web-tls-0.yaml",
+            "web-tls",
+            &server_tls,
+            Some(server_id.clone()),
+        ),
+    ] {
+        write_document(
+            &registry,
+            file,
+            &Document::Endpoints(EndpointsDoc {
+                service: s(service),
+                namespace: s("bench"),
+                endpoints: vec![EndpointSpec {
+                    address: proxy.addr("inbound"),
+                    port: None,
+                    ready: true,
+                    identity,
+                    zone: None,
+                    weight: 1,
+                    meshed: true,
+                    name: None,
+                }],
+            }),
+        )?;
+    }
+    for p in [&server_tls, &client_tls] {
+        wait_ready(p.addr("admin")).await?;
+    }
+    let pid = |p: &Process| p.pid().unwrap_or(0);
+    let routes = [
+        Route {
+            name: "direct",
+            connect: app.addr("http"),
+            authority: s("web.bench.svc.cluster.local:8080"),
+            pids: vec![],
+        },
+        Route {
+            name: "mesh",
+            connect: client.addr("outbound"),
+            authority: s("web.bench.svc.cluster.local:8080"),
+            pids: vec![pid(&client), pid(&server)],
+        },
+        Route {
+            name: "mesh+mTLS",
+            connect: client_tls.addr("outbound"),
+            authority: s("web-tls.bench.svc.cluster.local:8080"),
+            pids: vec![pid(&client_tls), pid(&server_tls)],
+        },
+    ];
+    // Warm up every path (connections, discovery, handshakes).
+    for r in &routes {
+        load(&args, r, Some(200.0), 1.0)?;
+    }
+    let cpu = |r: &Route| r.pids.iter().map(|p| usage(*p).0).sum::<f64>();
 
     println!(
         "proxy latency benchmark: {} req/s open loop for {}s, concurrency {}",
         args.rate, args.seconds, args.concurrency
     );
-    let d = load(&args, direct, Some(args.rate), args.seconds)?;
-    let cpu0 = cpu();
-    let m = load(&args, mesh, Some(args.rate), args.seconds)?;
-    let cpu_fixed = cpu() - cpu0;
-    let mesh_requests = m["sent"].as_f64().unwrap_or(1.0).max(1.0);
-
+    let mut fixed = Vec::new();
+    for r in &routes {
+        let before = cpu(r);
+        let report = load(&args, r, Some(args.rate), args.seconds)?;
+        fixed.push((report, cpu(r) - before));
+    }
     println!(
         "\nlatency from the intended send time (includes the sender's ~1 ms timer granularity; corrects coordinated omission):"
     );
-    table(&d, &m, ["p50_ms", "p99_ms", "p999_ms"]);
+    table(&routes, &fixed, ["p50_ms", "p99_ms", "p999_ms"]);
     println!("\nlatency from the actual send (the network path alone):");
     table(
-        &d,
-        &m,
+        &routes,
+        &fixed,
         ["service_p50_ms", "service_p99_ms", "service_p999_ms"],
     );
 
     let max_secs = (args.seconds / 2.0).max(2.0);
-    let dmax = load(&args, direct, None, max_secs)?;
-    let cpu1 = cpu();
-    let mmax = load(&args, mesh, None, max_secs)?;
-    let cpu_max = cpu() - cpu1;
     println!(
-        "\nmax throughput (closed loop, {} connections' worth of concurrency, {max_secs}s): direct {:.0} rps, mesh {:.0} rps, ratio mesh/direct {:.2}",
-        args.concurrency,
-        f(&dmax, "rps"),
-        f(&mmax, "rps"),
-        f(&mmax, "rps") / f(&dmax, "rps")
+        "\nmax throughput (closed loop, concurrency {}, {max_secs}s):",
+        args.concurrency
     );
-    let (_, rss_client) = usage(pids[0]);
-    let (_, rss_server) = usage(pids[1]);
-    println!(
-        "proxies (outbound + inbound): CPU {:.3} s per 1,000 requests at fixed rate, {:.3} s per 1,000 at max; peak RSS client {:.1} MiB, server {:.1} MiB",
-        cpu_fixed / mesh_requests * 1000.0,
-        cpu_max / mmax["sent"].as_f64().unwrap_or(1.0).max(1.0) * 1000.0,
-        rss_client as f64 / 1024.0,
-        rss_server as f64 / 1024.0
-    );
+    let mut direct_max = f64::NAN;
+    for (r, (fixed_report, fixed_cpu)) in routes.iter().zip(&fixed) {
+        let before = cpu(r);
+        let report = load(&args, r, None, max_secs)?;
+        let max_cpu = cpu(r) - before;
+        let rps = f(&report, "rps");
+        if r.name == "direct" {
+            direct_max = rps;
+        }
+        print!(
+            "  {:<10} {:>9.0} req/s  ratio to direct {:>5.2}",
+            r.name,
+            rps,
+            rps / direct_max
+        );
+        if !r.pids.is_empty() {
+            let per_k = |cpu: f64, rep: &serde_json::Value| {
+                cpu / rep["sent"].as_f64().unwrap_or(1.0).max(1.0) * 1000.0
+            };
+            let rss: Vec<String> = r
+                .pids
+                .iter()
+                .map(|p| format!("{:.1}", usage(*p).1 as f64 / 1024.0))
+                .collect();
+            print!(
+                "   proxies: {:.3} CPU-s/1k req at fixed rate, {:.3} at max; peak RSS (client, server) {} MiB",
+                per_k(*fixed_cpu, fixed_report),
+                per_k(max_cpu, &report),
+                rss.join(", ")
+            );
+        }
+        println!();
+    }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 
-fn table(d: &serde_json::Value, m: &serde_json::Value, keys: [&str; 3]) {
+async fn wait_ready(admin: std::net::SocketAddr) -> anyhow::Result<()> {
+    for _ in 0..200 {
+        if let Ok((200, _)) = tether_mesh_up::stats::http_get(admin, "/ready").await {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("proxy {admin} never became ready")
+}
+
+fn table(routes: &[Route], reports: &[(serde_json::Value, f64)], keys: [&str; 3]) {
     println!(
-        "{:<8} {:>10} {:>10} {:>10} {:>10} {:>8}",
+        "{:<10} {:>10} {:>10} {:>10} {:>10} {:>8}",
         "", "p50 ms", "p99 ms", "p99.9 ms", "rps", "failed"
     );
-    for (name, r) in [("direct", d), ("mesh", m)] {
+    for (r, (rep, _)) in routes.iter().zip(reports) {
         println!(
-            "{:<8} {:>10.3} {:>10.3} {:>10.3} {:>10.1} {:>8}",
-            name,
-            f(r, keys[0]),
-            f(r, keys[1]),
-            f(r, keys[2]),
-            f(r, "rps"),
-            r["failed"]
+            "{:<10} {:>10.3} {:>10.3} {:>10.3} {:>10.1} {:>8}",
+            r.name,
+            f(rep, keys[0]),
+            f(rep, keys[1]),
+            f(rep, keys[2]),
+            f(rep, "rps"),
+            rep["failed"]
         );
     }
-    for (q, key) in ["p50", "p99", "p99.9"].into_iter().zip(keys) {
-        println!(
-            "added latency {q:<5}: {:>8.3} ms   ratio mesh/direct {:>6.2}x",
-            f(m, key) - f(d, key),
-            f(m, key) / f(d, key)
-        );
+    let direct = &reports[0].0;
+    for (r, (rep, _)) in routes.iter().zip(reports).skip(1) {
+        for (q, key) in ["p50", "p99", "p99.9"].into_iter().zip(keys) {
+            println!(
+                "  {:<10} added {q:<5} {:>8.3} ms   ratio to direct {:>6.2}x",
+                r.name,
+                f(rep, key) - f(direct, key),
+                f(rep, key) / f(direct, key)
+            );
+        }
     }
 }
 

@@ -8,6 +8,7 @@ mod balancing;
 mod discovery;
 mod drain;
 mod errors;
+mod identity;
 mod protocols;
 mod registry;
 mod up;

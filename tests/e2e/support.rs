@@ -90,6 +90,79 @@ impl Scratch {
             .unwrap_or_else(|e| panic!("{e:#}\n--- {name} log ---\n{}", self.read_log(name)))
     }
 
+    /// `tether identity init` into `dir/<name>`; returns that directory.
+    pub fn identity_init(&self, name: &str) -> PathBuf {
+        let out = self.dir.path().join(name);
+        let status = std::process::Command::new(tether())
+            .args(["identity", "init", "--out", out.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(
+            status.status.success(),
+            "{}",
+            String::from_utf8_lossy(&status.stderr)
+        );
+        out
+    }
+
+    /// The proxy flags for `identity`, with a token minted from `id_dir`.
+    pub fn identity_args(&self, id_dir: &Path, identity: &str, trust_root: &Path) -> Vec<String> {
+        let out = std::process::Command::new(tether())
+            .args([
+                "identity",
+                "token",
+                "--dir",
+                id_dir.to_str().unwrap(),
+                identity,
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let file = self.dir.path().join(format!("{identity}.token"));
+        std::fs::write(&file, &out.stdout).unwrap();
+        vec![
+            "--identity".into(),
+            identity.into(),
+            "--identity-token-file".into(),
+            file.display().to_string(),
+            "--trust-root".into(),
+            trust_root.join("ca.crt").display().to_string(),
+        ]
+    }
+
+    /// A control plane that also issues certificates from `id_dir`.
+    pub async fn control_with_identity(
+        &self,
+        name: &str,
+        id_dir: &Path,
+        leaf_secs: &str,
+    ) -> Process {
+        let registry = self.registry().display().to_string();
+        let id = id_dir.display().to_string();
+        self.spawn(
+            name,
+            &[
+                "control",
+                "--registry",
+                &registry,
+                "--grpc",
+                "127.0.0.1:0",
+                "--admin",
+                "127.0.0.1:0",
+                "--identity",
+                &id,
+                "--identity-leaf-lifetime",
+                leaf_secs,
+            ],
+            &["grpc", "admin"],
+        )
+        .await
+    }
+
     pub async fn control(&self) -> Process {
         let registry = self.registry().display().to_string();
         self.spawn(

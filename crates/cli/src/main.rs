@@ -24,7 +24,7 @@ fn parse_secs(s: &str) -> Result<Duration, String> {
     let v: f64 = s
         .parse()
         .map_err(|_| format!("{s:?} is not a number of seconds"))?;
-    if !(0.0..=1e7).contains(&v) {
+    if !(0.0..=1e9).contains(&v) {
         return Err(format!("{s} seconds is out of range"));
     }
     Ok(Duration::from_secs_f64(v))

@@ -182,7 +182,9 @@ pub fn explain(err: &std::io::Error, expected: &str) -> String {
         rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName) => {
             format!("server presented another identity, expected {expected}")
         }
-        rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer) => {
+        rustls::Error::InvalidCertificate(
+            rustls::CertificateError::UnknownIssuer | rustls::CertificateError::BadSignature,
+        ) => {
             format!("server certificate for {expected} does not chain to the trust root")
         }
         other => format!("TLS handshake with {expected} failed: {other}"),
