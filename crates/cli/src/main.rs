@@ -105,6 +105,16 @@ enum Command {
         /// opportunistic (accept and send plaintext when TLS is not possible) or mandatory.
         #[arg(long, default_value = "opportunistic")]
         tls: tether_proxy::tls::TlsMode,
+        /// When the control plane cannot route a request: fail (503 at once) or
+        /// forward it to its original destination (IP authority or absolute URI).
+        #[arg(long, default_value = "fail")]
+        control_plane_unavailable: tether_proxy::outbound::forward::Unavailable,
+        /// Requests that may wait, per service, for an endpoint to appear.
+        #[arg(long, default_value = "100")]
+        max_pending: usize,
+        /// Stay not-ready until the control plane has answered for AUTHORITY (repeatable).
+        #[arg(long)]
+        require_discovery: Vec<String>,
     },
     /// Run a whole mesh on this machine from a manifest (the built-in demo without one).
     Up {
@@ -252,6 +262,9 @@ async fn main() -> anyhow::Result<()> {
             identity_token_file,
             trust_root,
             tls,
+            control_plane_unavailable,
+            max_pending,
+            require_discovery,
         } => {
             let identity = match (identity, identity_token_file, trust_root) {
                 (Some(name), Some(token_file), Some(trust_root)) => {
@@ -278,6 +291,9 @@ async fn main() -> anyhow::Result<()> {
                 drain_timeout,
                 identity,
                 tls_mode: tls,
+                control_plane_unavailable,
+                max_pending,
+                require_discovery,
             };
             tether_proxy::run(config, shutdown).await?;
         }

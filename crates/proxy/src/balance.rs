@@ -88,8 +88,13 @@ impl EndpointHandle {
         estimate * (pending + 1.0) / self.endpoint.weight as f64
     }
 
-    fn is_failing(&self, now: Instant) -> bool {
+    fn failing_at(&self, now: Instant) -> bool {
         self.failing_until.lock().unwrap().is_some_and(|t| t > now)
+    }
+
+    /// Whether connections to this endpoint are failing right now.
+    pub fn is_failing(&self) -> bool {
+        self.failing_at(Instant::now())
     }
 
     pub fn mark_failed(&self) {
@@ -183,7 +188,7 @@ pub fn pick(
     let healthy: Vec<&Arc<EndpointHandle>> = candidates
         .iter()
         .copied()
-        .filter(|h| !h.is_failing(now))
+        .filter(|h| !h.failing_at(now))
         .collect();
     let pool = if healthy.is_empty() {
         candidates

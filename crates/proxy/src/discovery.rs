@@ -3,22 +3,29 @@
 //! for that authority reads.
 //!
 //! The stream reconnects with exponential backoff and jitter, moving to the
-//! next control-plane address on each failure. Until a new stream answers,
-//! the last known endpoints stay in force; the first answer on a new stream
-//! replaces them wholesale (the control plane always starts a stream with the
-//! full state).
+//! next control-plane address on each failure ([`ControlPlanes`]: a list of
+//! `host:port`, each resolved through DNS at every attempt, so a name that
+//! resolves to several replicas spreads over all of them). Until a new stream
+//! answers, the last known endpoints stay in force; the first answer on a new
+//! stream replaces them wholesale (the control plane always starts a stream
+//! with the full state).
+//!
+//! A stream can also be alive but stale: open, silent, while every endpoint
+//! it gave refuses connections. The outbound side reports that through a
+//! [`Stall`] signal; if no update has arrived for a while, the stream is
+//! dropped and discovery re-subscribes (to the next control plane).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use linkerd2_proxy_api::destination::{
     destination_client::DestinationClient, protocol_hint, tls_identity, update, GetDestination,
     WeightedAddr,
 };
 use rand::Rng;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 
 use crate::ProxyStartError;
@@ -74,11 +81,80 @@ pub struct Resolution {
     pub endpoints: Arc<BTreeMap<SocketAddr, Endpoint>>,
     /// The last stream error, cleared by the next answer.
     pub last_error: Option<String>,
+    /// When the last update arrived.
+    pub last_update: Option<Instant>,
+}
+
+/// Raised by the outbound side when every endpoint of a service is failing.
+pub type Stall = Arc<Notify>;
+
+/// The control planes a proxy may talk to, tried in turn.
+pub struct ControlPlanes {
+    targets: Vec<String>,
+    channels: Mutex<HashMap<SocketAddr, Channel>>,
+}
+
+impl ControlPlanes {
+    pub fn new(targets: &[String]) -> Result<Arc<Self>, ProxyStartError> {
+        for t in targets {
+            let ok = t.rsplit_once(':').is_some_and(|(host, port)| {
+                !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
+            });
+            if !ok {
+                return Err(ProxyStartError::ControlAddr(t.clone()));
+            }
+        }
+        Ok(Arc::new(Self {
+            targets: targets.to_vec(),
+            channels: Mutex::default(),
+        }))
+    }
+
+    /// The `attempt`-th control plane, in rotation over every address the
+    /// targets resolve to right now.
+    pub async fn pick(&self, attempt: usize) -> Result<(SocketAddr, Channel), String> {
+        let mut addrs = Vec::new();
+        for t in &self.targets {
+            match tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host(t.as_str()))
+                .await
+            {
+                Ok(Ok(found)) => addrs.extend(found),
+                Ok(Err(e)) => {
+                    tracing::debug!(control = %t, error = %e, "control plane does not resolve")
+                }
+                Err(_) => tracing::debug!(control = %t, "control plane name lookup timed out"),
+            }
+        }
+        if addrs.is_empty() {
+            return Err(format!(
+                "no control-plane address resolves ({})",
+                self.targets.join(", ")
+            ));
+        }
+        addrs.sort();
+        addrs.dedup();
+        let addr = addrs[attempt % addrs.len()];
+        let mut channels = self.channels.lock().unwrap();
+        let channel = channels
+            .entry(addr)
+            .or_insert_with(|| {
+                TonicEndpoint::from_shared(format!("http://{addr}"))
+                    .expect("a socket address is a valid URI")
+                    .connect_timeout(Duration::from_secs(1))
+                    .http2_keep_alive_interval(Duration::from_secs(10))
+                    .keep_alive_timeout(Duration::from_secs(5))
+                    .keep_alive_while_idle(true)
+                    .connect_lazy()
+            })
+            .clone();
+        Ok((addr, channel))
+    }
 }
 
 #[derive(Clone)]
 pub struct Discovery {
-    channels: Arc<[(String, Channel)]>,
+    controls: Arc<ControlPlanes>,
+    metrics: crate::metrics::ProxyMetrics,
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -87,36 +163,20 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const INVALID_RETRY: Duration = Duration::from_secs(30);
 
 impl Discovery {
-    pub fn new(addrs: &[String]) -> Result<Self, ProxyStartError> {
-        let mut channels = Vec::new();
-        for addr in addrs {
-            let uri = format!("http://{addr}");
-            let endpoint = TonicEndpoint::from_shared(uri)
-                .map_err(|_| ProxyStartError::ControlAddr(addr.clone()))?
-                .connect_timeout(Duration::from_secs(1))
-                .http2_keep_alive_interval(Duration::from_secs(10))
-                .keep_alive_timeout(Duration::from_secs(5))
-                .keep_alive_while_idle(true);
-            channels.push((addr.clone(), endpoint.connect_lazy()));
-        }
-        Ok(Self {
-            channels: channels.into(),
-        })
-    }
-
-    /// The control-plane channels, for other APIs (identity) to share.
-    pub fn channels(&self) -> Vec<(String, Channel)> {
-        self.channels.to_vec()
+    pub fn new(controls: Arc<ControlPlanes>, metrics: crate::metrics::ProxyMetrics) -> Self {
+        Self { controls, metrics }
     }
 
     /// Starts resolving `authority`. The stream lives as long as any
-    /// receiver does.
-    pub fn resolve(&self, authority: &str) -> watch::Receiver<Resolution> {
+    /// receiver does; `stall` asks it to re-subscribe.
+    pub fn resolve(&self, authority: &str, stall: Stall) -> watch::Receiver<Resolution> {
         let (tx, rx) = watch::channel(Resolution::default());
         tokio::spawn(resolve_task(
             authority.to_string(),
-            self.channels.clone(),
+            self.controls.clone(),
             tx,
+            stall,
+            self.metrics.clone(),
         ));
         rx
     }
@@ -126,65 +186,99 @@ fn jittered(d: Duration) -> Duration {
     d.mul_f64(rand::rng().random_range(0.5..1.0))
 }
 
+/// How long a stream must have been silent before a stall report makes
+/// discovery re-subscribe.
+const STALL_QUIET: Duration = Duration::from_secs(1);
+
 async fn resolve_task(
     authority: String,
-    channels: Arc<[(String, Channel)]>,
+    controls: Arc<ControlPlanes>,
     tx: watch::Sender<Resolution>,
+    stall: Stall,
+    metrics: crate::metrics::ProxyMetrics,
 ) {
     let mut backoff = BACKOFF_MIN;
     let mut next = 0usize;
     loop {
-        let (addr, channel) = &channels[next % channels.len()];
-        let mut client = DestinationClient::new(channel.clone());
-        let req = GetDestination {
-            scheme: "k8s".into(),
-            path: authority.clone(),
-            ..Default::default()
-        };
         let mut wait = None;
-        let error = tokio::select! {
-            res = client.get(req) => match res {
-                Ok(rsp) => {
-                    let mut stream = rsp.into_inner();
-                    let mut fresh = true;
-                    loop {
-                        let msg = tokio::select! {
-                            m = stream.message() => m,
-                            _ = tx.closed() => return,
-                        };
-                        match msg {
-                            Ok(Some(up)) => {
-                                apply(&tx, up, fresh);
-                                fresh = false;
-                                backoff = BACKOFF_MIN;
+        let mut reason = "error";
+        let error = match controls.pick(next).await {
+            Err(e) => e,
+            Ok((addr, channel)) => {
+                let mut client = DestinationClient::new(channel);
+                let req = GetDestination {
+                    scheme: "k8s".into(),
+                    path: authority.clone(),
+                    ..Default::default()
+                };
+                tokio::select! {
+                    res = client.get(req) => match res {
+                        Ok(rsp) => {
+                            let mut stream = rsp.into_inner();
+                            let mut fresh = true;
+                            let mut last = Instant::now();
+                            loop {
+                                let msg = tokio::select! {
+                                    m = stream.message() => m,
+                                    _ = stall.notified() => {
+                                        if last.elapsed() >= STALL_QUIET {
+                                            reason = "stalled";
+                                            break format!("stream from {addr} stalled: every endpoint is failing and no update came");
+                                        }
+                                        continue;
+                                    }
+                                    _ = tx.closed() => return,
+                                };
+                                match msg {
+                                    Ok(Some(up)) => {
+                                        apply(&tx, up, fresh);
+                                        fresh = false;
+                                        last = Instant::now();
+                                        backoff = BACKOFF_MIN;
+                                    }
+                                    Ok(None) => {
+                                        reason = "ended";
+                                        break format!("control plane {addr} ended the stream");
+                                    }
+                                    Err(status) => break format!("control plane {addr}: {}", status.message()),
+                                }
                             }
-                            Ok(None) => break format!("control plane {addr} ended the stream"),
-                            Err(status) => break format!("control plane {addr}: {}", status.message()),
                         }
-                    }
+                        Err(status) if status.code() == tonic::Code::InvalidArgument => {
+                            // A definitive answer: this is not a service name.
+                            tx.send_modify(|r| {
+                                r.answered = true;
+                                r.exists = false;
+                                r.endpoints = Arc::default();
+                                r.last_error = None;
+                                r.last_update = Some(Instant::now());
+                            });
+                            wait = Some(INVALID_RETRY);
+                            format!("control plane {addr} rejected {authority}: {}", status.message())
+                        }
+                        Err(status) => format!("control plane {addr} unreachable: {}", status.message()),
+                    },
+                    _ = tx.closed() => return,
                 }
-                Err(status) if status.code() == tonic::Code::InvalidArgument => {
-                    // A definitive answer: this is not a service name.
-                    tx.send_modify(|r| {
-                        r.answered = true;
-                        r.exists = false;
-                        r.endpoints = Arc::default();
-                        r.last_error = None;
-                    });
-                    wait = Some(INVALID_RETRY);
-                    format!("control plane {addr} rejected {authority}: {}", status.message())
-                }
-                Err(status) => format!("control plane {addr} unreachable: {}", status.message()),
-            },
-            _ = tx.closed() => return,
+            }
         };
-        tracing::debug!(%authority, %error, "discovery stream lost; reconnecting");
         if wait.is_none() {
+            tracing::info!(%authority, %error, "discovery stream lost; reconnecting");
+            metrics.discovery_reconnect(reason);
             tx.send_modify(|r| r.last_error = Some(error));
             next += 1;
         }
-        let pause = wait.unwrap_or_else(|| jittered(backoff));
-        backoff = (backoff * 2).min(BACKOFF_MAX);
+        // An orderly end (a replica shutting down) or a stall is retried at
+        // once on the next replica; failures back off.
+        let pause = match (wait, reason) {
+            (Some(w), _) => w,
+            (None, "ended" | "stalled") => jittered(BACKOFF_MIN),
+            _ => {
+                let p = jittered(backoff);
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                p
+            }
+        };
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
             _ = tx.closed() => return,
@@ -224,5 +318,6 @@ fn apply(tx: &watch::Sender<Resolution>, up: linkerd2_proxy_api::destination::Up
         r.endpoints = Arc::new(endpoints);
         r.answered = true;
         r.last_error = None;
+        r.last_update = Some(Instant::now());
     });
 }

@@ -17,6 +17,8 @@ pub enum ProxyError {
     ControlPlaneUnreachable,
     #[error("service in fail-fast")]
     FailFast,
+    #[error("too many requests waiting for an endpoint of {authority}")]
+    QueueFull { authority: String },
     #[error("endpoint {addr} unreachable: {reason}")]
     Connect { addr: SocketAddr, reason: String },
     #[error("upstream {addr} failed: {reason}")]
@@ -33,7 +35,8 @@ impl ProxyError {
             }
             ProxyError::UnknownService(_)
             | ProxyError::ControlPlaneUnreachable
-            | ProxyError::FailFast => StatusCode::SERVICE_UNAVAILABLE,
+            | ProxyError::FailFast
+            | ProxyError::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Connect { .. } | ProxyError::Upstream { .. } | ProxyError::App { .. } => {
                 StatusCode::BAD_GATEWAY
             }

@@ -108,7 +108,7 @@ async fn certify_once(
 /// Keeps a valid certificate in `store` until shutdown.
 pub async fn maintain(
     config: IdentityConfig,
-    channels: Vec<(String, Channel)>,
+    controls: Arc<crate::discovery::ControlPlanes>,
     store: Arc<CertStore>,
     readiness: Readiness,
     metrics: IdentityMetrics,
@@ -117,9 +117,16 @@ pub async fn maintain(
     let mut backoff = BACKOFF_MIN;
     let mut next = 0usize;
     loop {
-        let (addr, channel) = &channels[next % channels.len()];
-        let mut client = IdentityClient::new(channel.clone());
-        let wait = match certify_once(&mut client, &config, &store).await {
+        let attempt = match controls.pick(next).await {
+            Ok((addr, channel)) => {
+                let mut client = IdentityClient::new(channel);
+                certify_once(&mut client, &config, &store)
+                    .await
+                    .map_err(|e| format!("control plane {addr}: {e}"))
+            }
+            Err(e) => Err(e),
+        };
+        let wait = match attempt {
             Ok(expires) => {
                 metrics.outcome("ok");
                 backoff = BACKOFF_MIN;
@@ -137,7 +144,7 @@ pub async fn maintain(
             }
             Err(error) => {
                 metrics.outcome("error");
-                tracing::warn!(control = %addr, %error, "certificate request failed; retrying");
+                tracing::warn!(%error, "certificate request failed; retrying");
                 if !store.has_valid() {
                     readiness.set(CERTIFICATE, false);
                 }

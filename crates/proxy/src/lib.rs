@@ -10,7 +10,10 @@
 //! - [`inbound`]: the inbound listener. [`detect`]s the protocol on the first
 //!   bytes, and forwards HTTP or opaque TCP to the local app.
 //! - [`discovery`]: one `Destination.Get` stream per authority, shared by
-//!   every connection that uses it, reconnecting with backoff.
+//!   every connection that uses it, reconnecting with backoff across
+//!   control-plane replicas, re-subscribing when a stream stalls.
+//! - [`failfast`]: how long a service may have no endpoint before its
+//!   requests fail at once.
 //! - [`balance`]: power of two choices over peak-EWMA latency.
 //! - [`client`]: connections to one endpoint: one multiplexed HTTP/2
 //!   connection, or a bounded pool of HTTP/1 connections.
@@ -28,6 +31,7 @@ pub mod client;
 pub mod detect;
 pub mod discovery;
 pub mod errors;
+pub mod failfast;
 pub mod http;
 pub mod identity;
 pub mod inbound;
@@ -62,6 +66,12 @@ pub struct ProxyConfig {
     /// This proxy's identity; mTLS between proxies needs it.
     pub identity: Option<identity::IdentityConfig>,
     pub tls_mode: tls::TlsMode,
+    /// What to do when the control plane cannot route a request.
+    pub control_plane_unavailable: outbound::forward::Unavailable,
+    /// Requests that may wait per service for an endpoint.
+    pub max_pending: usize,
+    /// Authorities the control plane must have answered before ready.
+    pub require_discovery: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -74,6 +84,8 @@ pub enum ProxyStartError {
     NoControl,
     #[error("--tls mandatory needs an identity (--identity, --identity-token-file, --trust-root)")]
     MandatoryWithoutIdentity,
+    #[error("--control-plane-unavailable=forward sends plaintext to original destinations, which --tls mandatory forbids; use --tls opportunistic or --control-plane-unavailable=fail")]
+    ForwardWithMandatoryTls,
     #[error("identity: {0}")]
     Tls(#[from] tether_identity::tls::TlsError),
 }
@@ -83,13 +95,19 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
     if config.control.is_empty() {
         return Err(ProxyStartError::NoControl);
     }
-    if config.tls_mode == tls::TlsMode::Mandatory && config.identity.is_none() {
-        return Err(ProxyStartError::MandatoryWithoutIdentity);
+    if config.tls_mode == tls::TlsMode::Mandatory {
+        if config.identity.is_none() {
+            return Err(ProxyStartError::MandatoryWithoutIdentity);
+        }
+        if config.control_plane_unavailable == outbound::forward::Unavailable::Forward {
+            return Err(ProxyStartError::ForwardWithMandatoryTls);
+        }
     }
-    let discovery = discovery::Discovery::new(&config.control)?;
+    let controls = discovery::ControlPlanes::new(&config.control)?;
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = metrics::ProxyMetrics::default();
     metrics.register(&mut registry);
+    let discovery = discovery::Discovery::new(controls.clone(), metrics.clone());
     let identity_metrics = identity::IdentityMetrics::default();
     let readiness = Readiness::default();
     let store = tether_identity::tls::CertStore::new();
@@ -130,13 +148,14 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
     if let Some(id) = &config.identity {
         tokio::spawn(identity::maintain(
             id.clone(),
-            discovery.channels(),
+            controls.clone(),
             store,
             readiness.clone(),
             identity_metrics,
             shutdown.clone(),
         ));
     }
+    let readiness_for_discovery = readiness.clone();
     tokio::spawn(tether_admin::serve(
         admin_listener,
         Admin {
@@ -180,7 +199,8 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
             config.drain_timeout,
         )));
     }
-    tokio::spawn(outbound.clone().evict_idle(shutdown.clone()));
+    let _pinned = outbound.require_discovery(&config.require_discovery, &readiness_for_discovery);
+    tokio::spawn(outbound.clone().maintain(shutdown.clone()));
     for t in tasks {
         let _ = t.await;
     }

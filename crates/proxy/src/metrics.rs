@@ -20,6 +20,18 @@ pub struct RequestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AuthorityLabels {
+    pub authority: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransitionLabels {
+    pub authority: String,
+    /// The state entered: `failfast` or `ready`.
+    pub to: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub reason: String,
 }
@@ -59,6 +71,10 @@ pub struct ProxyMetrics {
     pub open_connections: Family<DirectionLabels, Gauge>,
     pub tcp_bytes: Family<DirectionLabels, Counter>,
     pub inbound_refused: Family<ReasonLabels, Counter>,
+    pub failfast: Family<AuthorityLabels, Gauge>,
+    pub failfast_transitions: Family<TransitionLabels, Counter>,
+    pub discovery_age: Family<AuthorityLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub discovery_reconnects: Family<ReasonLabels, Counter>,
 }
 
 impl Default for ProxyMetrics {
@@ -69,6 +85,10 @@ impl Default for ProxyMetrics {
             open_connections: Family::default(),
             tcp_bytes: Family::default(),
             inbound_refused: Family::default(),
+            failfast: Family::default(),
+            failfast_transitions: Family::default(),
+            discovery_age: Family::default(),
+            discovery_reconnects: Family::default(),
         }
     }
 }
@@ -100,6 +120,34 @@ impl ProxyMetrics {
             "Inbound connections refused, by reason (plaintext under mandatory TLS, TLS handshake failure)",
             self.inbound_refused.clone(),
         );
+        registry.register(
+            "tether_proxy_failfast",
+            "1 while a service is in fail-fast (no ready endpoint for the fail-fast timeout)",
+            self.failfast.clone(),
+        );
+        registry.register(
+            "tether_proxy_failfast_transitions",
+            "Services entering fail-fast (to=failfast) and leaving it (to=ready)",
+            self.failfast_transitions.clone(),
+        );
+        registry.register(
+            "tether_proxy_discovery_update_age_seconds",
+            "Seconds since the last discovery update for a service (-1: none yet)",
+            self.discovery_age.clone(),
+        );
+        registry.register(
+            "tether_proxy_discovery_reconnects",
+            "Discovery streams re-established, by reason (error, ended, stalled)",
+            self.discovery_reconnects.clone(),
+        );
+    }
+
+    pub fn discovery_reconnect(&self, reason: &str) {
+        self.discovery_reconnects
+            .get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            })
+            .inc();
     }
 
     pub fn refuse(&self, reason: &str) {

@@ -1,11 +1,16 @@
 //! The outbound side: requests from the local app to mesh services.
 //!
 //! A request's path: authority (Host, absolute URI or `:authority`) →
-//! the service for that authority (one discovery stream, one balancer) →
-//! wait for a ready endpoint, at most the fail-fast timeout → pick by P2C →
-//! a pooled connection (HTTP/2 to peer proxies) → response. A connection
+//! the [`service::Service`] for that authority (one discovery stream, one
+//! balancer, one fail-fast watcher) → its endpoints, waiting in a bounded
+//! queue at most the fail-fast timeout → pick by P2C → a pooled connection
+//! (HTTP/2, mTLS when possible, to peer proxies) → response. A connection
 //! that cannot be established is retried on another endpoint (the request
-//! has not been sent, so this is always safe).
+//! has not been sent, so this is always safe). When discovery cannot route
+//! a request, [`forward`] may send it to its original destination.
+
+pub mod forward;
+pub mod service;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -14,12 +19,14 @@ use std::time::{Duration, Instant};
 use http::{Request, Response, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use tether_admin::Shutdown;
+use tether_admin::{Readiness, Shutdown};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::balance::{pick, Balancer, EndpointHandle};
-use crate::client::Proto;
+use self::forward::{Forwarder, Unavailable};
+use self::service::Service;
+use crate::balance::{pick, EndpointHandle};
+use crate::client::{EndpointClient, Proto};
 use crate::detect::OPAQUE_PREFACE;
 use crate::discovery::Discovery;
 use crate::errors::ProxyError;
@@ -27,7 +34,7 @@ use crate::http::{
     error_response, is_grpc, request_authority, rewrite_for_hop, status_class, strip_hop_by_hop,
     Body, ORIG_PROTO,
 };
-use crate::metrics::{Hop, ProxyMetrics};
+use crate::metrics::{AuthorityLabels, Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http};
 use crate::tls::Connector;
 use crate::ProxyConfig;
@@ -37,17 +44,15 @@ const CONNECT_ATTEMPTS: usize = 3;
 /// Services unused this long are forgotten (and their discovery stream ended).
 const IDLE_SERVICE: Duration = Duration::from_secs(300);
 
-struct Service {
-    balancer: Balancer,
-    last_used: Mutex<Instant>,
-}
-
 pub struct Outbound {
     discovery: Discovery,
     services: Mutex<HashMap<String, Arc<Service>>>,
     metrics: ProxyMetrics,
     failfast_timeout: Duration,
+    max_pending: usize,
     connector: Arc<Connector>,
+    unavailable: Unavailable,
+    forwarder: Forwarder,
 }
 
 /// Adds the default port and lowercases, so `Web.demo` and `web.demo:80`
@@ -74,7 +79,10 @@ impl Outbound {
             services: Mutex::default(),
             metrics,
             failfast_timeout: config.failfast_timeout,
+            max_pending: config.max_pending,
             connector,
+            unavailable: config.control_plane_unavailable,
+            forwarder: Forwarder::new(config.connect_timeout),
         }
     }
 
@@ -131,7 +139,7 @@ impl Outbound {
                 async move {
                     let _open = this.metrics.connection("outbound");
                     let svc = this.service(&authority);
-                    let endpoints = match this.ready_endpoints(&svc).await {
+                    let endpoints = match svc.ready_endpoints(this.failfast_timeout).await {
                         Ok(eps) => eps,
                         Err(e) => {
                             tracing::warn!(%authority, error = %e, "upstream connection refused");
@@ -159,62 +167,79 @@ impl Outbound {
         let svc = services
             .entry(authority.to_string())
             .or_insert_with(|| {
-                Arc::new(Service {
-                    balancer: Balancer::new(
-                        self.discovery.resolve(authority),
-                        self.connector.clone(),
-                    ),
-                    last_used: Mutex::new(Instant::now()),
-                })
+                Arc::new(Service::new(
+                    authority,
+                    &self.discovery,
+                    self.connector.clone(),
+                    self.failfast_timeout,
+                    self.max_pending,
+                    &self.metrics,
+                ))
             })
             .clone();
         *svc.last_used.lock().unwrap() = Instant::now();
         svc
     }
 
-    /// Forgets services nobody has used for a while.
-    pub async fn evict_idle(self: Arc<Self>, shutdown: Shutdown) {
-        let mut tick = tokio::time::interval(Duration::from_secs(30));
+    /// Resolves `authorities` at start and holds the proxy not-ready until
+    /// the control plane has answered for each (`--require-discovery`).
+    pub fn require_discovery(
+        self: &Arc<Self>,
+        authorities: &[String],
+        readiness: &Readiness,
+    ) -> Vec<Arc<Service>> {
+        let mut pinned = Vec::new();
+        for authority in authorities {
+            let Ok(authority) = normalize(authority) else {
+                continue;
+            };
+            let condition = format!("discovery of {authority}");
+            readiness.require(condition.clone());
+            let svc = self.service(&authority);
+            let mut rx = svc.balancer.watch();
+            let readiness = readiness.clone();
+            tokio::spawn(async move {
+                if rx.wait_for(|r| r.answered).await.is_ok() {
+                    readiness.set(&condition, true);
+                }
+            });
+            pinned.push(svc);
+        }
+        pinned
+    }
+
+    /// Forgets services nobody has used for a while; refreshes the age of
+    /// each service's last discovery update.
+    pub async fn maintain(self: Arc<Self>, shutdown: Shutdown) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = shutdown.triggered() => return,
             }
-            self.services.lock().unwrap().retain(|_, s| {
-                Arc::strong_count(s) > 1 || s.last_used.lock().unwrap().elapsed() < IDLE_SERVICE
+            let mut services = self.services.lock().unwrap();
+            services.retain(|authority, s| {
+                let keep = Arc::strong_count(s) > 1
+                    || s.last_used.lock().unwrap().elapsed() < IDLE_SERVICE;
+                let labels = AuthorityLabels {
+                    authority: authority.clone(),
+                };
+                if keep {
+                    let age = s.update_age().map_or(-1.0, |a| a.as_secs_f64());
+                    self.metrics.discovery_age.get_or_create(&labels).set(age);
+                } else {
+                    self.metrics.discovery_age.remove(&labels);
+                    self.metrics.failfast.remove(&labels);
+                }
+                keep
             });
-        }
-    }
-
-    /// Waits (at most the fail-fast timeout) until the service has ready
-    /// endpoints; answers at once when the answer is already known to be no.
-    async fn ready_endpoints(&self, svc: &Service) -> Result<Vec<Arc<EndpointHandle>>, ProxyError> {
-        let deadline = tokio::time::Instant::now() + self.failfast_timeout;
-        let mut rx = svc.balancer.watch();
-        loop {
-            let resolution = rx.borrow_and_update().clone();
-            let endpoints = svc.balancer.endpoints();
-            if !endpoints.is_empty() {
-                return Ok(endpoints);
-            }
-            if resolution.answered && !resolution.exists {
-                return Err(ProxyError::UnknownService(String::new()));
-            }
-            if !resolution.answered && resolution.last_error.is_some() {
-                return Err(ProxyError::ControlPlaneUnreachable);
-            }
-            match tokio::time::timeout_at(deadline, rx.changed()).await {
-                Ok(Ok(())) => continue,
-                Ok(Err(_)) => return Err(ProxyError::ControlPlaneUnreachable),
-                Err(_) if resolution.answered => return Err(ProxyError::FailFast),
-                Err(_) => return Err(ProxyError::ControlPlaneUnreachable),
-            }
         }
     }
 
     pub async fn handle(&self, req: Request<Incoming>, pinned: Option<&str>) -> Response<Body> {
         let start = Instant::now();
         let grpc = is_grpc(req.headers());
+        let absolute = req.uri().scheme().is_some();
         let authority = match pinned
             .map(str::to_string)
             .or_else(|| request_authority(&req))
@@ -224,10 +249,7 @@ impl Outbound {
         };
         let (label, result) = match authority {
             Ok(authority) => {
-                let result = self.route(&authority, req).await.map_err(|e| match e {
-                    ProxyError::UnknownService(_) => ProxyError::UnknownService(authority.clone()),
-                    e => e,
-                });
+                let result = self.route(&authority, req, absolute).await;
                 (authority, result)
             }
             Err(e) => ("".to_string(), Err(e)),
@@ -250,9 +272,26 @@ impl Outbound {
         &self,
         authority: &str,
         req: Request<Incoming>,
+        absolute: bool,
     ) -> Result<(Response<Body>, Hop), ProxyError> {
         let svc = self.service(authority);
-        let endpoints = self.ready_endpoints(&svc).await?;
+        let endpoints = match svc.ready_endpoints(self.failfast_timeout).await {
+            Ok(eps) => eps,
+            Err(e @ (ProxyError::ControlPlaneUnreachable | ProxyError::UnknownService(_)))
+                if self.unavailable == Unavailable::Forward =>
+            {
+                let Some(dst) = self.forwarder.destination(authority, absolute).await else {
+                    return Err(e);
+                };
+                tracing::debug!(%authority, %dst, reason = %e, "forwarding to the original destination");
+                let client = self.forwarder.client(dst);
+                return self
+                    .send(&client, req, authority, false)
+                    .await
+                    .map(|(rsp, _)| (rsp, Hop::default()));
+            }
+            Err(e) => return Err(e),
+        };
         let version = req.version();
         let (mut parts, body) = req.into_parts();
         strip_hop_by_hop(&mut parts.headers);
@@ -305,7 +344,43 @@ impl Outbound {
                 }
             };
         }
+        if endpoints.iter().all(|h| h.is_failing()) {
+            svc.report_stall();
+        }
         Err(last_error)
+    }
+
+    /// Sends `req` to one client (no balancing), as HTTP/1 or HTTP/2 like
+    /// the request came.
+    async fn send(
+        &self,
+        client: &EndpointClient,
+        req: Request<Incoming>,
+        authority: &str,
+        carry_http1: bool,
+    ) -> Result<(Response<Body>, bool), ProxyError> {
+        let addr = client.addr();
+        let proto = if req.version() == Version::HTTP_2 {
+            Proto::Http2
+        } else {
+            Proto::Http1
+        };
+        let (mut parts, body) = req.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        parts.headers.remove(ORIG_PROTO);
+        let conn = client
+            .connection(proto)
+            .await
+            .map_err(|reason| ProxyError::Connect { addr, reason })?;
+        let tls = conn.tls;
+        let req = rewrite_for_hop(parts, body.boxed(), authority, proto, carry_http1);
+        let rsp = conn.send(req).await.map_err(|e| ProxyError::Upstream {
+            addr,
+            reason: e.to_string(),
+        })?;
+        let (mut parts, body) = rsp.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        Ok((Response::from_parts(parts, body.boxed()), tls))
     }
 
     async fn forward_tcp(
