@@ -9,6 +9,7 @@ mod discovery;
 mod drain;
 mod errors;
 mod identity;
+mod outage;
 mod protocols;
 mod registry;
 mod up;

@@ -163,6 +163,22 @@ impl Scratch {
         .await
     }
 
+    /// A control plane on a chosen gRPC address (to restart it in place).
+    pub async fn control_at(&self, name: &str, grpc: &str, extra: &[&str]) -> Process {
+        let registry = self.registry().display().to_string();
+        let mut args = vec![
+            "control",
+            "--registry",
+            &registry,
+            "--grpc",
+            grpc,
+            "--admin",
+            "127.0.0.1:0",
+        ];
+        args.extend(extra);
+        self.spawn(name, &args, &["grpc", "admin"]).await
+    }
+
     pub async fn control(&self) -> Process {
         let registry = self.registry().display().to_string();
         self.spawn(
@@ -299,6 +315,20 @@ pub async fn request(
 
 pub async fn get(connect: SocketAddr, authority: &str) -> Answer {
     request(connect, authority, "/", Version::HTTP_11)
+        .await
+        .unwrap()
+}
+
+/// A loopback port nobody listens on (free when this returns).
+pub fn free_port() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+pub async fn ready_body(admin: SocketAddr) -> (u16, String) {
+    tether_mesh_up::stats::http_get(admin, "/ready")
         .await
         .unwrap()
 }

@@ -7,6 +7,11 @@
 //! takes the less loaded, which sends most traffic to fast endpoints while
 //! still probing slow ones now and then. Endpoints whose connections are
 //! failing sit out for a backoff while any other endpoint is available.
+//!
+//! A new endpoint starts at the mean estimate of the endpoints already
+//! there (or a default when there are none): starting it slower would
+//! starve it behind fast incumbents until its estimate decayed, starting it
+//! at zero would flood it.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -33,9 +38,9 @@ struct PeakEwma {
 }
 
 impl PeakEwma {
-    fn new() -> Self {
+    fn new(estimate_ns: f64) -> Self {
         Self {
-            estimate_ns: DEFAULT_RTT.as_nanos() as f64,
+            estimate_ns,
             last: Instant::now(),
         }
     }
@@ -72,11 +77,11 @@ pub struct EndpointHandle {
 }
 
 impl EndpointHandle {
-    fn new(endpoint: Endpoint, connector: Arc<Connector>) -> Self {
+    fn new(endpoint: Endpoint, connector: Arc<Connector>, estimate_ns: f64) -> Self {
         Self {
             client: EndpointClient::new(endpoint.addr, endpoint.identity.clone(), connector),
             endpoint,
-            ewma: Mutex::new(PeakEwma::new()),
+            ewma: Mutex::new(PeakEwma::new(estimate_ns)),
             in_flight: AtomicUsize::new(0),
             failing_until: Mutex::new(None),
         }
@@ -157,6 +162,17 @@ impl Balancer {
         let mut inner = self.inner.lock().unwrap();
         if inner.rx.has_changed().unwrap_or(false) {
             let resolved = inner.rx.borrow_and_update().endpoints.clone();
+            let now = Instant::now();
+            let seed = if inner.endpoints.is_empty() {
+                DEFAULT_RTT.as_nanos() as f64
+            } else {
+                let sum: f64 = inner
+                    .endpoints
+                    .iter()
+                    .map(|h| h.ewma.lock().unwrap().decayed(now))
+                    .sum();
+                sum / inner.endpoints.len() as f64
+            };
             let mut old: BTreeMap<SocketAddr, Arc<EndpointHandle>> = inner
                 .endpoints
                 .drain(..)
@@ -166,7 +182,11 @@ impl Balancer {
                 .values()
                 .map(|ep| match old.remove(&ep.addr) {
                     Some(h) if h.endpoint == *ep => h,
-                    _ => Arc::new(EndpointHandle::new(ep.clone(), self.connector.clone())),
+                    _ => Arc::new(EndpointHandle::new(
+                        ep.clone(),
+                        self.connector.clone(),
+                        seed,
+                    )),
                 })
                 .collect();
         }
@@ -206,7 +226,9 @@ pub fn pick(
                 b += 1;
             }
             let (a, b) = (pool[a], pool[b]);
-            Some(if a.load() <= b.load() {
+            let (la, lb) = (a.load(), b.load());
+            // Within 1% is a tie; a and b are already in random order.
+            Some(if la <= lb * 1.01 {
                 a.clone()
             } else {
                 b.clone()
@@ -230,6 +252,7 @@ mod tests {
                 labels: BTreeMap::new(),
             },
             Connector::plain(Duration::from_secs(1)),
+            DEFAULT_RTT.as_nanos() as f64,
         ))
     }
 
@@ -263,6 +286,31 @@ mod tests {
             .filter(|_| pick(&all, &[]).unwrap().endpoint.addr.port() == 1)
             .count();
         assert_eq!(to_fast, 100);
+    }
+
+    #[test]
+    fn a_new_endpoint_competes_with_fast_incumbents() {
+        let (tx, rx) = watch::channel(Resolution::default());
+        let balancer = Balancer::new(rx, Connector::plain(Duration::from_secs(1)));
+        let ep = |port| handle(port).endpoint.clone();
+        let set = |eps: Vec<Endpoint>| {
+            tx.send_modify(|r| {
+                r.endpoints = Arc::new(eps.into_iter().map(|e| (e.addr, e)).collect())
+            });
+        };
+        set(vec![ep(1)]);
+        let first = balancer.endpoints();
+        first[0].start().observe(Duration::from_millis(1));
+        set(vec![ep(1), ep(2)]);
+        let both = balancer.endpoints();
+        assert!(
+            Arc::ptr_eq(&both[0], &first[0]),
+            "the incumbent keeps its state"
+        );
+        let to_new = (0..200)
+            .filter(|_| pick(&both, &[]).unwrap().endpoint.addr.port() == 2)
+            .count();
+        assert!(to_new > 50, "the new endpoint got {to_new} of 200 picks");
     }
 
     #[test]

@@ -1,0 +1,590 @@
+//! Control-plane outages: readiness, fail fast, do no harm.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use linkerd2_proxy_api::destination::{
+    destination_server::{Destination, DestinationServer},
+    update, DestinationProfile, GetDestination, Update, WeightedAddr, WeightedAddrSet,
+};
+
+use crate::support::*;
+
+fn id(name: &str) -> String {
+    format!("{name}.test.serviceaccount.identity.cluster.local")
+}
+
+#[tokio::test]
+async fn a_proxy_without_control_plane_says_so_then_recovers_when_it_starts() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let ca = scratch.identity_init("ca");
+    let control_addr = free_port();
+    let app = scratch.demo_app("web-0", 0).await;
+    let server_args = scratch.identity_args(&ca, &id("web"), &ca);
+    let server_args: Vec<&str> = server_args.iter().map(String::as_str).collect();
+    let server = scratch
+        .proxy("server", control_addr, Some(app.addr("http")), &server_args)
+        .await;
+    let mut client_args = scratch.identity_args(&ca, &id("client"), &ca);
+    client_args.extend(["--failfast-timeout".to_string(), "30".to_string()]);
+    let client_args: Vec<&str> = client_args.iter().map(String::as_str).collect();
+    let client = scratch
+        .proxy("client", control_addr, None, &client_args)
+        .await;
+
+    let (status, body) = ready_body(client.addr("admin")).await;
+    assert_eq!(status, 503);
+    assert!(body.contains("certificate"), "{body}");
+    let (status, _) = tether_mesh_up::stats::http_get(client.addr("admin"), "/live")
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+
+    // Answered at once, long before the 30 s fail-fast timeout.
+    let web = authority("web", 8080);
+    let started = Instant::now();
+    let a = get(client.addr("outbound"), &web).await;
+    assert_eq!(a.status, 503);
+    assert_eq!(a.proxy_error(), Some("control plane unreachable"));
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let channel = tether_mesh_up::demo_grpc::channel(client.addr("outbound"), &web)
+        .await
+        .unwrap();
+    let status = tether_mesh_up::demo_grpc::hello(channel, "x")
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+    assert_eq!(status.message(), "control plane unreachable");
+
+    // The control plane arrives: certificates, readiness, traffic.
+    let ca_s = ca.display().to_string();
+    let control = scratch
+        .control_at("control", &control_addr.to_string(), &["--identity", &ca_s])
+        .await;
+    scratch.write(
+        "web-0.yaml",
+        &format!(
+            "kind: Endpoints\nservice: web\nnamespace: test\nendpoints: [{{address: \"{}\", identity: {}}}]\n",
+            server.addr("inbound"),
+            id("web")
+        ),
+    );
+    for admin in [client.addr("admin"), server.addr("admin")] {
+        assert!(
+            eventually(Duration::from_secs(15), || async {
+                ready_body(admin).await.0 == 200
+            })
+            .await,
+            "proxy never became ready"
+        );
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            get(client.addr("outbound"), &web).await.status == 200
+        })
+        .await,
+        "traffic never flowed"
+    );
+    drop(control);
+}
+
+#[tokio::test]
+async fn losing_the_control_plane_keeps_the_last_endpoints() {
+    let mut mesh = Mesh::start(&[0, 0]).await;
+    let web = authority("web", 8080);
+    mesh.scratch.remove("web-1.yaml");
+    let outbound = mesh.outbound();
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            let a = get(outbound, &web).await;
+            a.status == 200 && a.replica() == "web-0"
+        })
+        .await
+    );
+    let grpc = mesh.control.addr("grpc");
+    let status = mesh.control.stop(Duration::from_secs(10)).await.unwrap();
+    assert!(status.success(), "control plane exited with {status:?}");
+
+    // Outbound keeps serving from the last known endpoints...
+    for i in 0..20 {
+        let a = get(outbound, &web).await;
+        assert_eq!(
+            a.status,
+            200,
+            "request {i} after the control plane died: {:?}",
+            a.proxy_error()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // ...and inbound needs nothing from the control plane.
+    let direct = get(mesh.sidecars[1].addr("inbound"), &web).await;
+    assert_eq!(direct.status, 200);
+    assert_eq!(direct.replica(), "web-1");
+    let m = metrics(mesh.client.addr("admin")).await;
+    assert!(
+        metric_value(
+            &m,
+            "tether_proxy_discovery_update_age_seconds",
+            &[("authority", &web)]
+        ) >= 0.0,
+        "{m}"
+    );
+
+    // The control plane returns (same address); updates resume.
+    let _control = mesh
+        .scratch
+        .control_at("control-again", &grpc.to_string(), &[])
+        .await;
+    mesh.scratch
+        .endpoint("web-1", "web", mesh.sidecars[1].addr("inbound"), true);
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            get(outbound, &web).await.replica() == "web-1"
+        })
+        .await,
+        "updates did not resume after the control plane came back"
+    );
+}
+
+#[tokio::test]
+async fn a_service_without_endpoints_fails_fast_then_recovers() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    let app = scratch.demo_app("web-0", 0).await;
+    let sidecar = scratch
+        .proxy("server", control.addr("grpc"), Some(app.addr("http")), &[])
+        .await;
+    scratch.endpoint("web-0", "web", sidecar.addr("inbound"), true);
+    let client = scratch
+        .proxy(
+            "client",
+            control.addr("grpc"),
+            None,
+            &["--failfast-timeout", "1"],
+        )
+        .await;
+    let (outbound, admin) = (client.addr("outbound"), client.addr("admin"));
+    let web = authority("web", 8080);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            get(outbound, &web).await.status == 200
+        })
+        .await
+    );
+
+    scratch.remove("web-0.yaml");
+    // After the timeout the service is in fail-fast: answered at once.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            metric_value(
+                &metrics(admin).await,
+                "tether_proxy_failfast",
+                &[("authority", &web)],
+            ) == 1.0
+        })
+        .await,
+        "never entered fail-fast"
+    );
+    let started = Instant::now();
+    let a = get(outbound, &web).await;
+    assert_eq!(a.status, 503);
+    assert_eq!(a.proxy_error(), Some("service in fail-fast"));
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        started.elapsed()
+    );
+
+    scratch.endpoint("web-0", "web", sidecar.addr("inbound"), true);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            get(outbound, &web).await.status == 200
+        })
+        .await
+    );
+    let m = metrics(admin).await;
+    assert_eq!(
+        metric_value(&m, "tether_proxy_failfast", &[("authority", &web)]),
+        0.0
+    );
+    assert_eq!(
+        metric_value(
+            &m,
+            "tether_proxy_failfast_transitions_total",
+            &[("authority", &web), ("to", "failfast")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric_value(
+            &m,
+            "tether_proxy_failfast_transitions_total",
+            &[("authority", &web), ("to", "ready")]
+        ),
+        1.0
+    );
+}
+
+#[tokio::test]
+async fn queued_requests_are_served_when_an_endpoint_appears() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    let app = scratch.demo_app("web-0", 0).await;
+    let sidecar = scratch
+        .proxy("server", control.addr("grpc"), Some(app.addr("http")), &[])
+        .await;
+    let client = scratch
+        .proxy(
+            "client",
+            control.addr("grpc"),
+            None,
+            &["--failfast-timeout", "10", "--max-pending", "3"],
+        )
+        .await;
+    let outbound = client.addr("outbound");
+    let web = authority("web", 8080);
+    let requests: Vec<_> = (0..5)
+        .map(|_| {
+            let web = web.clone();
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let a = get(outbound, &web).await;
+                (
+                    a.status,
+                    a.proxy_error().map(str::to_string),
+                    started.elapsed(),
+                )
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    scratch.endpoint("web-0", "web", sidecar.addr("inbound"), true);
+    let mut served = 0;
+    let mut refused = 0;
+    for r in requests {
+        let (status, error, took) = r.await.unwrap();
+        match status.as_u16() {
+            200 => {
+                served += 1;
+                assert!(
+                    took >= Duration::from_millis(900),
+                    "served before the endpoint existed: {took:?}"
+                );
+            }
+            503 => {
+                refused += 1;
+                assert!(error.unwrap().starts_with("too many requests waiting"));
+                assert!(
+                    took < Duration::from_millis(900),
+                    "a refused request waited {took:?}"
+                );
+            }
+            other => panic!("unexpected status {other}: {error:?}"),
+        }
+    }
+    assert_eq!((served, refused), (3, 2));
+}
+
+#[tokio::test]
+async fn stopping_one_of_two_replicas_under_load_fails_no_request() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let mut a = scratch.control_at("control-a", "127.0.0.1:0", &[]).await;
+    let b = scratch.control_at("control-b", "127.0.0.1:0", &[]).await;
+    let mut sidecars = Vec::new();
+    let mut apps = Vec::new();
+    for i in 0..2 {
+        let app = scratch.demo_app(&format!("web-{i}"), 0).await;
+        let s = scratch
+            .proxy(
+                &format!("web-{i}-proxy"),
+                a.addr("grpc"),
+                Some(app.addr("http")),
+                &[],
+            )
+            .await;
+        apps.push(app);
+        sidecars.push(s);
+    }
+    scratch.endpoint("web-0", "web", sidecars[0].addr("inbound"), true);
+    let controls = format!("{},{}", a.addr("grpc"), b.addr("grpc"));
+    let client = scratch
+        .spawn(
+            "client",
+            &[
+                "proxy",
+                "--control",
+                &controls,
+                "--outbound",
+                "127.0.0.1:0",
+                "--admin",
+                "127.0.0.1:0",
+            ],
+            &["outbound", "admin"],
+        )
+        .await;
+    let outbound = client.addr("outbound");
+    let web = authority("web", 8080);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            get(outbound, &web).await.status == 200
+        })
+        .await
+    );
+
+    let load = tokio::spawn({
+        let web = web.clone();
+        async move {
+            let mut failures = Vec::new();
+            let mut sent = 0;
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs(4) {
+                let a = get(outbound, &web).await;
+                if a.status != 200 {
+                    failures.push(format!("{} {:?}", a.status, a.proxy_error()));
+                }
+                sent += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            (sent, failures)
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Both replicas stop in turn is too much; one is the test.
+    let status = a.stop(Duration::from_secs(10)).await.unwrap();
+    assert!(status.success(), "replica exited with {status:?}");
+    let (sent, failures) = load.await.unwrap();
+    assert!(sent > 50, "only {sent} requests");
+    assert!(
+        failures.is_empty(),
+        "{} of {sent} failed: {failures:?}",
+        failures.len()
+    );
+
+    // The survivor serves updates.
+    scratch.endpoint("web-1", "web", sidecars[1].addr("inbound"), true);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            get(outbound, &web).await.replica() == "web-1"
+        })
+        .await,
+        "no updates after one replica stopped\n{}\n{}\n{}",
+        scratch.read_log("client"),
+        scratch.read_log("control-b"),
+        metrics(b.addr("admin")).await
+    );
+    drop(b);
+}
+
+#[tokio::test]
+async fn forward_mode_reaches_the_original_destination() {
+    let scratch = Scratch::new();
+    let app = scratch.demo_app("direct", 0).await;
+    let closed = free_port();
+    let forward = scratch
+        .proxy(
+            "forward",
+            closed,
+            None,
+            &["--control-plane-unavailable", "forward"],
+        )
+        .await;
+    let fail = scratch.proxy("fail", closed, None, &[]).await;
+    let target = app.addr("http").to_string();
+
+    let a = get(forward.addr("outbound"), &target).await;
+    assert_eq!(a.status, 200, "{:?}", a.proxy_error());
+    assert_eq!(a.replica(), "direct");
+    let a = get(fail.addr("outbound"), &target).await;
+    assert_eq!(a.status, 503);
+    assert_eq!(a.proxy_error(), Some("control plane unreachable"));
+
+    // An absolute-form URI naming a host that resolves.
+    let port = app.addr("http").port();
+    let a = {
+        use http_body_util::BodyExt;
+        let stream = tokio::net::TcpStream::connect(forward.addr("outbound"))
+            .await
+            .unwrap();
+        let (mut s, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        let req = http::Request::get(format!("http://localhost:{port}/x"))
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .unwrap();
+        let rsp = s.send_request(req).await.unwrap();
+        let status = rsp.status();
+        let _ = rsp.into_body().collect().await;
+        status
+    };
+    assert_eq!(a, 200);
+}
+
+#[tokio::test]
+async fn forward_mode_with_mandatory_tls_is_refused_at_start() {
+    let scratch = Scratch::new();
+    let ca = scratch.identity_init("ca");
+    let mut args = vec![
+        "proxy".to_string(),
+        "--control".into(),
+        "127.0.0.1:1".into(),
+    ];
+    args.extend(scratch.identity_args(&ca, &id("x"), &ca));
+    args.extend(
+        [
+            "--tls",
+            "mandatory",
+            "--control-plane-unavailable",
+            "forward",
+        ]
+        .map(String::from),
+    );
+    let out = std::process::Command::new(tether())
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tls mandatory") && err.contains("forward"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn require_discovery_holds_readiness_until_the_first_answer() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control_addr = free_port();
+    let web = authority("web", 8080);
+    let client = scratch
+        .proxy("client", control_addr, None, &["--require-discovery", &web])
+        .await;
+    let (status, body) = ready_body(client.addr("admin")).await;
+    assert_eq!(status, 503);
+    assert!(
+        body.contains("discovery of web.test.svc.cluster.local:8080"),
+        "{body}"
+    );
+    let _control = scratch
+        .control_at("control", &control_addr.to_string(), &[])
+        .await;
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            ready_body(client.addr("admin")).await.0 == 200
+        })
+        .await
+    );
+}
+
+// === a control plane that stalls ===
+
+/// Answers the first Get with `first` and then stays silent forever;
+/// later Gets get `then`.
+struct StallingControl {
+    calls: Arc<AtomicUsize>,
+    first: SocketAddr,
+    then: SocketAddr,
+}
+
+type Stream<T> = std::pin::Pin<Box<dyn futures::Stream<Item = Result<T, tonic::Status>> + Send>>;
+
+fn add(addr: SocketAddr) -> Update {
+    Update {
+        update: Some(update::Update::Add(WeightedAddrSet {
+            addrs: vec![WeightedAddr {
+                addr: Some(addr.into()),
+                weight: 1,
+                protocol_hint: Some(linkerd2_proxy_api::destination::ProtocolHint {
+                    protocol: Some(
+                        linkerd2_proxy_api::destination::protocol_hint::Protocol::H2(
+                            linkerd2_proxy_api::destination::protocol_hint::H2 {},
+                        ),
+                    ),
+                    opaque_transport: None,
+                }),
+                ..Default::default()
+            }],
+            metric_labels: Default::default(),
+        })),
+    }
+}
+
+#[tonic::async_trait]
+impl Destination for StallingControl {
+    type GetStream = Stream<Update>;
+    type GetProfileStream = Stream<DestinationProfile>;
+
+    async fn get(
+        &self,
+        _req: tonic::Request<GetDestination>,
+    ) -> Result<tonic::Response<Self::GetStream>, tonic::Status> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst);
+        let addr = if n == 0 { self.first } else { self.then };
+        let stream = futures::StreamExt::chain(
+            futures::stream::once(async move { Ok(add(addr)) }),
+            futures::stream::pending(),
+        );
+        Ok(tonic::Response::new(Box::pin(stream)))
+    }
+
+    async fn get_profile(
+        &self,
+        _req: tonic::Request<GetDestination>,
+    ) -> Result<tonic::Response<Self::GetProfileStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("no profiles"))
+    }
+}
+
+#[tokio::test]
+async fn a_stalled_stream_is_replaced() {
+    let scratch = Scratch::new();
+    let app = scratch.demo_app("web-0", 0).await;
+    // The good endpoint: a sidecar in front of the app (its control plane is irrelevant).
+    let sidecar = scratch
+        .proxy("server", free_port(), Some(app.addr("http")), &[])
+        .await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let fake = listener.local_addr().unwrap();
+    let server = StallingControl {
+        calls: calls.clone(),
+        first: free_port(), // gone: nothing listens there
+        then: sidecar.addr("inbound"),
+    };
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DestinationServer::new(server))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let client = scratch.proxy("client", fake, None, &[]).await;
+    let web = authority("web", 8080);
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            get(client.addr("outbound"), &web).await.status == 200
+        })
+        .await,
+        "never recovered from the stalled stream"
+    );
+    assert!(calls.load(Ordering::SeqCst) >= 2);
+    let m = metrics(client.addr("admin")).await;
+    assert!(
+        metric_value(
+            &m,
+            "tether_proxy_discovery_reconnects_total",
+            &[("reason", "stalled")]
+        ) >= 1.0,
+        "{m}"
+    );
+}
