@@ -62,6 +62,10 @@ enum Command {
         /// Lifetime of the leaf certificates Certify signs, in seconds.
         #[arg(long, default_value = "86400", value_parser = parse_secs)]
         identity_leaf_lifetime: Duration,
+        /// Seconds between audits of every subscription against the index
+        /// (also on demand: GET /audit on the admin listener).
+        #[arg(long, default_value = "10", value_parser = parse_secs)]
+        audit_interval: Duration,
     },
     /// Run the sidecar proxy.
     Proxy {
@@ -233,7 +237,12 @@ async fn main() -> anyhow::Result<()> {
             cluster_domain,
             identity,
             identity_leaf_lifetime,
+            audit_interval,
         } => {
+            anyhow::ensure!(
+                audit_interval >= Duration::from_millis(10),
+                "--audit-interval must be at least 0.01 s"
+            );
             anyhow::ensure!(
                 identity_leaf_lifetime >= Duration::from_secs(1),
                 "--identity-leaf-lifetime must be at least 1 second"
@@ -245,6 +254,7 @@ async fn main() -> anyhow::Result<()> {
                 cluster_domain,
                 identity_dir: identity,
                 leaf_lifetime: identity_leaf_lifetime,
+                audit_interval,
             };
             tether_control::run(config, shutdown).await?;
         }

@@ -6,11 +6,20 @@
 //! newer states simply replace older ones in the slot. When it catches up it
 //! sends one diff to the current state, never a backlog. The outgoing channel
 //! per subscriber is small and bounded.
+//!
+//! Every live subscription is also registered in [`Subscriptions`], with
+//! what it was last sent and from which slot version. The audit
+//! ([`Subscriptions::audit`]) compares that with the index: a subscription
+//! that is idle, has sent the slot's latest version, and still differs from
+//! the index is divergent; so is a slot that differs from the index. Both
+//! are repaired (the slot republished, the subscription woken to send the
+//! correcting diff) and counted.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use futures::{Stream, StreamExt};
 use linkerd2_proxy_api::destination::{
@@ -21,11 +30,11 @@ use linkerd2_proxy_api::destination::{
 use linkerd2_proxy_api::net::TcpAddress;
 use tether_admin::Shutdown;
 use tether_core::authority::{parse_service_authority, split_host_port, ServiceKey};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, Notify};
 use tonic::{Request, Response, Status};
 
-use crate::index::{EndpointMeta, Index, PortSnapshot};
-use crate::metrics::ControlMetrics;
+use crate::index::{EndpointMeta, Index, PortSnapshot, SlotReceiver};
+use crate::metrics::{ControlMetrics, ServiceLabels};
 
 /// Updates buffered per subscriber before its task waits (on that
 /// subscriber alone).
@@ -39,6 +48,160 @@ pub struct DestinationService {
     pub cluster_domain: String,
     pub metrics: ControlMetrics,
     pub shutdown: Shutdown,
+    pub subscriptions: Subscriptions,
+}
+
+// === impl Subscriptions ===
+
+/// One live `Destination.Get` stream, as the audit sees it.
+pub struct Subscription {
+    pub service: ServiceKey,
+    pub port: u16,
+    state: Mutex<SubState>,
+    repair: Notify,
+}
+
+#[derive(Default)]
+struct SubState {
+    sent: SentState,
+    /// The slot version `sent` corresponds to.
+    version: u64,
+    /// Whether updates computed from `version` are still being sent.
+    sending: bool,
+}
+
+impl Subscription {
+    #[cfg(test)]
+    pub(crate) fn forget_what_was_sent(&self) {
+        self.state.lock().unwrap().sent = SentState::default();
+    }
+}
+
+/// Every live subscription, for the audit.
+#[derive(Clone, Default)]
+pub struct Subscriptions {
+    live: Arc<Mutex<HashMap<u64, Arc<Subscription>>>>,
+    next_id: Arc<AtomicU64>,
+}
+
+/// What one audit found.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct AuditReport {
+    pub subscriptions: usize,
+    /// Still sending a newer state: not divergent, just not done.
+    pub in_flight: usize,
+    pub divergent: usize,
+    pub stale_slots: usize,
+}
+
+impl std::fmt::Display for AuditReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "audited {} subscriptions: {} divergent (repaired), {} catching up, {} stale slots (repaired)",
+            self.subscriptions, self.divergent, self.in_flight, self.stale_slots
+        )
+    }
+}
+
+struct Registered {
+    subs: Subscriptions,
+    id: u64,
+    metrics: ControlMetrics,
+    labels: ServiceLabels,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.subs.live.lock().unwrap().remove(&self.id);
+        self.metrics.subscribers.dec();
+        self.metrics
+            .subscribers_per_service
+            .get_or_create(&self.labels)
+            .dec();
+    }
+}
+
+impl Subscriptions {
+    fn register(
+        &self,
+        service: ServiceKey,
+        port: u16,
+        metrics: &ControlMetrics,
+    ) -> (Arc<Subscription>, Registered) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let labels = ServiceLabels {
+            service: service.to_string(),
+        };
+        let sub = Arc::new(Subscription {
+            service,
+            port,
+            state: Mutex::default(),
+            repair: Notify::new(),
+        });
+        self.live.lock().unwrap().insert(id, sub.clone());
+        metrics.subscribers.inc();
+        metrics.subscribers_per_service.get_or_create(&labels).inc();
+        let guard = Registered {
+            subs: self.clone(),
+            id,
+            metrics: metrics.clone(),
+            labels,
+        };
+        (sub, guard)
+    }
+
+    pub fn len(&self) -> usize {
+        self.live.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Compares every live subscription with the index, repairs what
+    /// diverged, and records the result in the metrics.
+    pub fn audit(&self, index: &Index, metrics: &ControlMetrics) -> AuditReport {
+        let subs: Vec<Arc<Subscription>> = self.live.lock().unwrap().values().cloned().collect();
+        let mut report = AuditReport {
+            subscriptions: subs.len(),
+            ..Default::default()
+        };
+        let mut checked: HashMap<(ServiceKey, u16), (PortSnapshot, u64)> = HashMap::new();
+        for sub in subs {
+            let (snap, version) = checked
+                .entry((sub.service.clone(), sub.port))
+                .or_insert_with(|| {
+                    let (snap, version, agrees) = index.check_slot(&sub.service, sub.port);
+                    if !agrees {
+                        report.stale_slots += 1;
+                    }
+                    (snap, version)
+                })
+                .clone();
+            let state = sub.state.lock().unwrap();
+            if state.sending || state.version < version {
+                report.in_flight += 1;
+            } else if !state.sent.matches(&snap) {
+                report.divergent += 1;
+                drop(state);
+                sub.repair.notify_one();
+            }
+        }
+        metrics.audits.inc();
+        metrics
+            .divergent_subscriptions
+            .set((report.divergent + report.stale_slots) as i64);
+        metrics
+            .audit_repairs
+            .inc_by((report.divergent + report.stale_slots) as u64);
+        if report.divergent + report.stale_slots > 0 {
+            tracing::warn!(%report, "audit found divergent subscriptions");
+        } else {
+            tracing::debug!(%report, "audit clean");
+        }
+        report
+    }
 }
 
 // === impl SentState ===
@@ -156,41 +319,42 @@ pub fn weighted_addr(addr: SocketAddr, meta: &EndpointMeta) -> WeightedAddr {
 
 /// Feeds one subscriber until it goes away or the control plane shuts down.
 async fn serve_subscription(
-    service: ServiceKey,
-    mut slot: watch::Receiver<Arc<PortSnapshot>>,
+    sub: Arc<Subscription>,
+    mut slot: SlotReceiver,
     tx: mpsc::Sender<Result<Update, Status>>,
     metrics: ControlMetrics,
     shutdown: Shutdown,
+    _registered: Registered,
 ) {
-    metrics.subscribers.inc();
-    let _gauge = scopeguard(metrics.subscribers.clone());
-    let mut sent = SentState::default();
     loop {
-        let snap = slot.borrow_and_update().clone();
-        for update in sent.diff(&snap, &service) {
+        let published = slot.borrow_and_update().clone();
+        let updates = {
+            let mut state = sub.state.lock().unwrap();
+            let updates = state.sent.diff(&published.snap, &sub.service);
+            state.version = published.version;
+            state.sending = !updates.is_empty();
+            updates
+        };
+        for update in updates {
             tokio::select! {
                 res = tx.send(Ok(update)) => if res.is_err() { return },
                 _ = shutdown.triggered() => return,
             }
             metrics.updates_sent.inc();
+            if published.version > 0 {
+                metrics
+                    .update_latency
+                    .observe(published.observed_at.elapsed().as_secs_f64());
+            }
         }
+        sub.state.lock().unwrap().sending = false;
         tokio::select! {
             changed = slot.changed() => if changed.is_err() { return },
+            _ = sub.repair.notified() => {}
             _ = tx.closed() => return,
             _ = shutdown.triggered() => return,
         }
     }
-}
-
-/// Decrements a gauge when dropped.
-fn scopeguard(gauge: prometheus_client::metrics::gauge::Gauge) -> impl Drop {
-    struct Dec(prometheus_client::metrics::gauge::Gauge);
-    impl Drop for Dec {
-        fn drop(&mut self) {
-            self.0.dec();
-        }
-    }
-    Dec(gauge)
 }
 
 /// A stream that yields nothing and ends when the control plane shuts down,
@@ -206,6 +370,26 @@ pub fn one_then_hold<T: Send + 'static>(item: T, shutdown: Shutdown) -> BoxStrea
 }
 
 impl DestinationService {
+    /// Starts a subscription's sender task; updates arrive on the receiver.
+    pub fn subscribe(
+        &self,
+        service: ServiceKey,
+        port: u16,
+    ) -> mpsc::Receiver<Result<Update, Status>> {
+        let slot = self.index.subscribe(&service, port);
+        let (sub, registered) = self.subscriptions.register(service, port, &self.metrics);
+        let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
+        tokio::spawn(serve_subscription(
+            sub,
+            slot,
+            tx,
+            self.metrics.clone(),
+            self.shutdown.clone(),
+            registered,
+        ));
+        rx
+    }
+
     fn profile_for(&self, path: &str) -> Result<DestinationProfile, Status> {
         let (host, port) =
             split_host_port(path).map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -252,15 +436,7 @@ impl Destination for DestinationService {
         let auth = parse_service_authority(&path, &self.cluster_domain)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         tracing::debug!(%path, "Destination.Get");
-        let slot = self.index.subscribe(&auth.service, auth.port);
-        let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
-        tokio::spawn(serve_subscription(
-            auth.service,
-            slot,
-            tx,
-            self.metrics.clone(),
-            self.shutdown.clone(),
-        ));
+        let rx = self.subscribe(auth.service, auth.port);
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -335,6 +511,71 @@ mod tests {
             ["remove2", "none:true"]
         );
         assert!(sent.matches(&snap(true, &[])));
+    }
+
+    #[tokio::test]
+    async fn the_audit_finds_and_repairs_a_divergent_subscription() {
+        use crate::index::ServiceState;
+        use tether_core::registry::{EndpointSpec, PortSpec};
+        let metrics = ControlMetrics::default();
+        let index = Index::new(metrics.clone());
+        let key = ServiceKey::new("web", "demo");
+        index.set_service(
+            &key,
+            Some(ServiceState {
+                ports: vec![PortSpec {
+                    port: 80,
+                    opaque: false,
+                }],
+                global_id: None,
+                mode: None,
+                endpoints: vec![EndpointSpec {
+                    address: "127.0.0.1:1".parse().unwrap(),
+                    port: None,
+                    ready: true,
+                    identity: None,
+                    zone: None,
+                    weight: 1,
+                    meshed: true,
+                    name: None,
+                }],
+            }),
+        );
+        let subscriptions = Subscriptions::default();
+        let dst = DestinationService {
+            index: index.clone(),
+            cluster_domain: "cluster.local".into(),
+            metrics: metrics.clone(),
+            shutdown: Shutdown::default(),
+            subscriptions: subscriptions.clone(),
+        };
+        let mut rx = dst.subscribe(key.clone(), 80);
+        assert_eq!(kinds(&[rx.recv().await.unwrap().unwrap()]), ["add1"]);
+        assert_eq!(subscriptions.audit(&index, &metrics).divergent, 0);
+
+        // Simulate a lost update: the sender no longer knows what it sent.
+        let sub = subscriptions
+            .live
+            .lock()
+            .unwrap()
+            .values()
+            .next()
+            .unwrap()
+            .clone();
+        sub.forget_what_was_sent();
+        let report = subscriptions.audit(&index, &metrics);
+        assert_eq!(report.divergent, 1, "{report}");
+        assert_eq!(metrics.divergent_subscriptions.get(), 1);
+        assert_eq!(metrics.audit_repairs.get(), 1);
+        // The repair re-sends the correcting diff…
+        let repaired = tokio::time::timeout(std::time::Duration::from_secs(2), rx.recv())
+            .await
+            .unwrap();
+        assert_eq!(kinds(&[repaired.unwrap().unwrap()]), ["add1"]);
+        // …and the next audit is clean.
+        tokio::task::yield_now().await;
+        assert_eq!(subscriptions.audit(&index, &metrics).divergent, 0);
+        assert_eq!(metrics.divergent_subscriptions.get(), 0);
     }
 
     #[test]

@@ -11,12 +11,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tether_core::authority::ServiceKey;
 use tether_core::registry::{EndpointSpec, MulticlusterMode, PortSpec};
 use tokio::sync::watch;
 
-use crate::metrics::ControlMetrics;
+use crate::metrics::{ControlMetrics, ServiceLabels};
 
 /// A whole service as a registry backend sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -46,7 +47,18 @@ pub struct PortSnapshot {
     pub endpoints: BTreeMap<SocketAddr, EndpointMeta>,
 }
 
-type Slot = watch::Sender<Arc<PortSnapshot>>;
+/// What a slot holds: the state, which version of the slot it is, and when
+/// the registry change behind it was observed (for the change-to-send
+/// latency histogram).
+#[derive(Clone, Debug)]
+pub struct Published {
+    pub version: u64,
+    pub observed_at: Instant,
+    pub snap: PortSnapshot,
+}
+
+pub type SlotReceiver = watch::Receiver<Arc<Published>>;
+type Slot = watch::Sender<Arc<Published>>;
 
 #[derive(Default)]
 struct Inner {
@@ -71,19 +83,38 @@ impl Index {
     /// Replaces (or, with `None`, removes) a service and publishes the new
     /// state to the slots of that service whose view changed.
     pub fn set_service(&self, key: &ServiceKey, state: Option<ServiceState>) {
+        self.set_service_observed(key, state, Instant::now());
+    }
+
+    /// As [`Index::set_service`], for a change the registry observed at
+    /// `observed_at`.
+    pub fn set_service_observed(
+        &self,
+        key: &ServiceKey,
+        state: Option<ServiceState>,
+        observed_at: Instant,
+    ) {
         let mut inner = self.inner.lock().unwrap();
         let old_endpoints = inner.services.get(key).map_or(0, |s| s.endpoints.len());
         let new_endpoints = state.as_ref().map_or(0, |s| s.endpoints.len());
+        let labels = ServiceLabels {
+            service: key.to_string(),
+        };
         match state {
             Some(s) => {
                 if inner.services.insert(key.clone(), s).is_none() {
                     self.metrics.registry_services.inc();
                 }
+                self.metrics
+                    .endpoints_per_service
+                    .get_or_create(&labels)
+                    .set(new_endpoints as i64);
             }
             None => {
                 if inner.services.remove(key).is_some() {
                     self.metrics.registry_services.dec();
                 }
+                self.metrics.endpoints_per_service.remove(&labels);
             }
         }
         self.metrics
@@ -92,14 +123,7 @@ impl Index {
         let Inner { services, slots } = &mut *inner;
         if let Some(ports) = slots.get_mut(key) {
             ports.retain(|port, slot| {
-                let snap = snapshot_of(services.get(key), *port);
-                slot.send_if_modified(|cur| {
-                    if **cur == snap {
-                        return false;
-                    }
-                    *cur = Arc::new(snap);
-                    true
-                });
+                publish(slot, snapshot_of(services.get(key), *port), observed_at);
                 // Forget slots nobody watches; they are rebuilt on demand.
                 slot.receiver_count() > 0
             });
@@ -111,15 +135,40 @@ impl Index {
 
     /// Subscribes to one (service, port); the receiver holds the current
     /// state at once.
-    pub fn subscribe(&self, key: &ServiceKey, port: u16) -> watch::Receiver<Arc<PortSnapshot>> {
+    pub fn subscribe(&self, key: &ServiceKey, port: u16) -> SlotReceiver {
         let mut inner = self.inner.lock().unwrap();
         let Inner { services, slots } = &mut *inner;
         let slot = slots
             .entry(key.clone())
             .or_default()
             .entry(port)
-            .or_insert_with(|| watch::Sender::new(Arc::new(snapshot_of(services.get(key), port))));
+            .or_insert_with(|| {
+                watch::Sender::new(Arc::new(Published {
+                    version: 0,
+                    observed_at: Instant::now(),
+                    snap: snapshot_of(services.get(key), port),
+                }))
+            });
         slot.subscribe()
+    }
+
+    /// The index's state for (service, port), and the slot's version
+    /// and whether the slot agrees with the index. Publishes the index's
+    /// state into the slot when it does not (a repair).
+    pub fn check_slot(&self, key: &ServiceKey, port: u16) -> (PortSnapshot, u64, bool) {
+        let mut inner = self.inner.lock().unwrap();
+        let Inner { services, slots } = &mut *inner;
+        let snap = snapshot_of(services.get(key), port);
+        match slots.get_mut(key).and_then(|p| p.get_mut(&port)) {
+            Some(slot) => {
+                let agrees = slot.borrow().snap == snap;
+                if !agrees {
+                    publish(slot, snap.clone(), Instant::now());
+                }
+                (snap, slot.borrow().version, agrees)
+            }
+            None => (snap, 0, true),
+        }
     }
 
     pub fn snapshot(&self, key: &ServiceKey, port: u16) -> PortSnapshot {
@@ -154,6 +203,21 @@ impl Index {
             !ports.is_empty()
         });
     }
+}
+
+/// Replaces a slot's state if it differs; never waits on readers.
+fn publish(slot: &mut Slot, snap: PortSnapshot, observed_at: Instant) {
+    slot.send_if_modified(|cur| {
+        if cur.snap == snap {
+            return false;
+        }
+        *cur = Arc::new(Published {
+            version: cur.version + 1,
+            observed_at,
+            snap,
+        });
+        true
+    });
 }
 
 fn meta_of(ep: &EndpointSpec, opaque: bool) -> EndpointMeta {
@@ -221,7 +285,7 @@ mod tests {
         let index = Index::new(ControlMetrics::default());
         let key = ServiceKey::new("web", "demo");
         let mut rx = index.subscribe(&key, 80);
-        assert!(!rx.borrow_and_update().exists);
+        assert!(!rx.borrow_and_update().snap.exists);
 
         index.set_service(
             &key,
@@ -231,7 +295,9 @@ mod tests {
             ])),
         );
         assert!(rx.has_changed().unwrap());
-        let snap = rx.borrow_and_update().clone();
+        let published = rx.borrow_and_update().clone();
+        assert_eq!(published.version, 1);
+        let snap = &published.snap;
         assert!(snap.exists);
         assert_eq!(
             snap.endpoints.keys().map(|a| a.port()).collect::<Vec<_>>(),
@@ -249,10 +315,10 @@ mod tests {
         assert!(!rx.has_changed().unwrap());
 
         index.set_service(&key, None);
-        assert!(!rx.borrow_and_update().exists);
+        assert!(!rx.borrow_and_update().snap.exists);
         // A port the service does not declare does not exist.
         index.set_service(&key, Some(service(vec![])));
-        assert!(!index.subscribe(&key, 81).borrow().exists);
+        assert!(!index.subscribe(&key, 81).borrow().snap.exists);
     }
 
     #[test]

@@ -1,12 +1,38 @@
 //! The control plane's metrics, registered once and shared by every part.
 
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-#[derive(Clone, Default)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceLabels {
+    /// `namespace/name`
+    pub service: String,
+}
+
+#[derive(Clone)]
+pub struct LatencyBuckets;
+
+impl MetricConstructor<Histogram> for LatencyBuckets {
+    fn new_metric(&self) -> Histogram {
+        // 0.1 ms to ~50 s.
+        Histogram::new(exponential_buckets(0.0001, 2.0, 20))
+    }
+}
+
+#[derive(Clone)]
 pub struct ControlMetrics {
     pub subscribers: Gauge,
+    pub subscribers_per_service: Family<ServiceLabels, Gauge>,
+    pub endpoints_per_service: Family<ServiceLabels, Gauge>,
+    /// From the registry observing a change to an update carrying it sent.
+    pub update_latency: Histogram,
+    pub divergent_subscriptions: Gauge,
+    pub audit_repairs: Counter,
+    pub audits: Counter,
     pub updates_sent: Counter,
     pub registry_documents: Gauge,
     pub registry_services: Gauge,
@@ -15,12 +41,62 @@ pub struct ControlMetrics {
     pub registry_events_applied: Counter,
 }
 
+impl Default for ControlMetrics {
+    fn default() -> Self {
+        Self {
+            subscribers: Gauge::default(),
+            subscribers_per_service: Family::default(),
+            endpoints_per_service: Family::default(),
+            update_latency: LatencyBuckets.new_metric(),
+            divergent_subscriptions: Gauge::default(),
+            audit_repairs: Counter::default(),
+            audits: Counter::default(),
+            updates_sent: Counter::default(),
+            registry_documents: Gauge::default(),
+            registry_services: Gauge::default(),
+            registry_endpoints: Gauge::default(),
+            registry_reload_errors: Counter::default(),
+            registry_events_applied: Counter::default(),
+        }
+    }
+}
+
 impl ControlMetrics {
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "tether_destination_subscribers",
             "Live Destination.Get streams",
             self.subscribers.clone(),
+        );
+        registry.register(
+            "tether_destination_subscribers_per_service",
+            "Live Destination.Get streams per service",
+            self.subscribers_per_service.clone(),
+        );
+        registry.register(
+            "tether_registry_endpoints_per_service",
+            "Endpoints (ready or not) per service",
+            self.endpoints_per_service.clone(),
+        );
+        registry.register(
+            "tether_destination_update_latency_seconds",
+            "From the registry observing a change to the update carrying it being sent",
+            self.update_latency.clone(),
+        );
+        registry.register(
+            "tether_destination_divergent_subscriptions",
+            "Subscriptions whose last-sent state differed from the index at the last audit",
+            self.divergent_subscriptions.clone(),
+        );
+        registry.register(
+            "tether_destination_audit_repairs",
+            "Subscriptions repaired by the audit",
+            self.audit_repairs.clone(),
+        );
+        registry.register(
+            "tether_destination_audits",
+            "Audits run",
+            self.audits.clone(),
         );
         registry.register(
             "tether_destination_updates_sent",

@@ -25,6 +25,8 @@ pub struct ControlConfig {
     /// Identity directory (`tether identity init`); serves Certify when set.
     pub identity_dir: Option<PathBuf>,
     pub leaf_lifetime: std::time::Duration,
+    /// How often every subscription is compared with the index.
+    pub audit_interval: std::time::Duration,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -77,13 +79,25 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     let readiness = Readiness::default();
     readiness.require(LOADED);
     let index = Index::new(metrics.clone());
+    let subscriptions = crate::destination::Subscriptions::default();
+    let audit: tether_admin::Extra = {
+        let (subs, index, metrics) = (subscriptions.clone(), index.clone(), metrics.clone());
+        Arc::new(move |_method, path, _query| {
+            (path == "/audit").then(|| {
+                (
+                    http::StatusCode::OK,
+                    format!("{}\n", subs.audit(&index, &metrics)),
+                )
+            })
+        })
+    };
 
     tokio::spawn(tether_admin::serve(
         admin_listener,
         Admin {
             readiness: readiness.clone(),
             metrics: Arc::new(registry),
-            extra: None,
+            extra: Some(audit),
         },
         shutdown.clone(),
     ));
@@ -108,11 +122,19 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     }
 
     let destination = DestinationService {
-        index,
+        index: index.clone(),
         cluster_domain: config.cluster_domain.clone(),
-        metrics,
+        metrics: metrics.clone(),
         shutdown: shutdown.clone(),
+        subscriptions: subscriptions.clone(),
     };
+    tokio::spawn(audit_loop(
+        subscriptions,
+        index.clone(),
+        metrics,
+        config.audit_interval,
+        shutdown.clone(),
+    ));
     let policy = PolicyService {
         shutdown: shutdown.clone(),
     };
@@ -147,5 +169,25 @@ fn registry_ended(
             tracing::error!(error = %e, "registry task failed");
             Ok(())
         }
+    }
+}
+
+/// Audits every subscription periodically; drops unwatched slots.
+async fn audit_loop(
+    subscriptions: crate::destination::Subscriptions,
+    index: Index,
+    metrics: ControlMetrics,
+    interval: std::time::Duration,
+    shutdown: Shutdown,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.triggered() => return,
+        }
+        subscriptions.audit(&index, &metrics);
+        index.collect_garbage();
     }
 }

@@ -254,13 +254,14 @@ fn apply(
     paths: impl IntoIterator<Item = PathBuf>,
     index: &Index,
     metrics: &ControlMetrics,
+    observed_at: std::time::Instant,
 ) {
     let mut touched = BTreeSet::new();
     for path in paths {
         touched.extend(loaded.reload(&path, metrics));
     }
     for key in touched {
-        index.set_service(&key, loaded.merged(&key));
+        index.set_service_observed(&key, loaded.merged(&key), observed_at);
     }
 }
 
@@ -304,7 +305,13 @@ impl Registry for FileRegistry {
 
         let mut loaded = Loaded::default();
         let files = self.list()?;
-        apply(&mut loaded, files.into_keys(), &index, &self.metrics);
+        apply(
+            &mut loaded,
+            files.into_keys(),
+            &index,
+            &self.metrics,
+            std::time::Instant::now(),
+        );
         tracing::info!(
             dir = %self.dir.display(),
             files = loaded.files.len(),
@@ -317,8 +324,10 @@ impl Registry for FileRegistry {
         rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let mut batch = BTreeSet::new();
+            let mut observed_at = std::time::Instant::now();
             tokio::select! {
                 path = rx.recv() => {
+                    observed_at = std::time::Instant::now();
                     let Some(path) = path else { return Ok(()) };
                     batch.insert(path);
                     let deadline = tokio::time::Instant::now() + COALESCE_WINDOW;
@@ -349,8 +358,7 @@ impl Registry for FileRegistry {
                 }
             }
             if !batch.is_empty() {
-                apply(&mut loaded, batch, &index, &self.metrics);
-                index.collect_garbage();
+                apply(&mut loaded, batch, &index, &self.metrics, observed_at);
             }
         }
     }
@@ -387,7 +395,13 @@ mod tests {
             "web-1.yaml",
             "kind: Endpoints\nservice: web\nnamespace: demo\nendpoints: [{address: 127.0.0.1:1}]\n",
         );
-        apply(&mut loaded, [svc.clone(), eps.clone()], &index, &metrics);
+        apply(
+            &mut loaded,
+            [svc.clone(), eps.clone()],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
         let state = index.service(&key).unwrap();
         assert_eq!(state.endpoints.len(), 1);
         assert_eq!(state.mode, Some(MulticlusterMode::Failover));
@@ -399,7 +413,13 @@ mod tests {
             "web-1.yaml",
             "kind: Endpoints\nservice: web\nendpoints: [{address: nope}]\n",
         );
-        apply(&mut loaded, [eps.clone()], &index, &metrics);
+        apply(
+            &mut loaded,
+            [eps.clone()],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
         assert_eq!(index.service(&key).unwrap().endpoints.len(), 1);
         assert_eq!(metrics.registry_reload_errors.get(), 1);
 
@@ -409,13 +429,25 @@ mod tests {
             "dup.yaml",
             "kind: Service\nname: web\nnamespace: demo\nports: [{port: 81}]\n",
         );
-        apply(&mut loaded, [dup], &index, &metrics);
+        apply(
+            &mut loaded,
+            [dup],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
         assert_eq!(metrics.registry_reload_errors.get(), 2);
         assert_eq!(index.service(&key).unwrap().ports[0].port, 80);
 
         // Removing the service file removes the service; endpoints wait.
         std::fs::remove_file(&svc).unwrap();
-        apply(&mut loaded, [svc], &index, &metrics);
+        apply(
+            &mut loaded,
+            [svc],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
         assert!(index.service(&key).is_none());
     }
 
