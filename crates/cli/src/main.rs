@@ -134,6 +134,11 @@ enum Command {
         #[arg(long)]
         print_demo: bool,
     },
+    /// Compare what control-plane replicas serve, with each other and the registry.
+    Diagnostics {
+        #[command(subcommand)]
+        command: DiagnosticsCommand,
+    },
     /// Manage the mesh's trust root, issuer and bootstrap tokens.
     Identity {
         #[command(subcommand)]
@@ -174,6 +179,32 @@ enum Command {
         duration: Duration,
         #[arg(long, default_value = "64")]
         concurrency: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum DiagnosticsCommand {
+    /// Each replica's endpoints for AUTHORITY (address, ready, identity, zone,
+    /// weight) and the differences; exits non-zero when views differ.
+    Endpoints {
+        /// e.g. web.demo.svc.cluster.local:8080
+        authority: String,
+        /// A control-plane gRPC address (repeatable).
+        #[arg(long, default_value = "127.0.0.1:8086")]
+        control: Vec<String>,
+        /// Also compare with this registry directory.
+        #[arg(long)]
+        registry: Option<PathBuf>,
+        #[arg(long, default_value = "cluster.local")]
+        cluster_domain: String,
+    },
+    /// Each replica's metrics, headed by replica.
+    ControllerMetrics {
+        #[arg(long, default_value = "127.0.0.1:8086")]
+        control: Vec<String>,
+        /// Only lines containing this text.
+        #[arg(long)]
+        filter: Option<String>,
     },
 }
 
@@ -336,6 +367,28 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::bail!("no request succeeded");
             }
         }
+        Command::Diagnostics { command } => match command {
+            DiagnosticsCommand::Endpoints {
+                authority,
+                control,
+                registry,
+                cluster_domain,
+            } => {
+                let agree = tether_ops::diagnostics::endpoints(
+                    &authority,
+                    &control,
+                    registry.as_ref(),
+                    &cluster_domain,
+                )
+                .await?;
+                anyhow::ensure!(agree, "the views differ");
+            }
+            DiagnosticsCommand::ControllerMetrics { control, filter } => {
+                let ok = tether_ops::diagnostics::controller_metrics(&control, filter.as_deref())
+                    .await?;
+                anyhow::ensure!(ok, "some replicas could not be read");
+            }
+        },
         Command::Identity { command } => match command {
             IdentityCommand::Init {
                 out,

@@ -231,7 +231,8 @@ fn meta_of(ep: &EndpointSpec, opaque: bool) -> EndpointMeta {
     }
 }
 
-fn snapshot_of(service: Option<&ServiceState>, port: u16) -> PortSnapshot {
+/// What subscribers of (service, port) are told: its ready endpoints.
+pub fn snapshot_of(service: Option<&ServiceState>, port: u16) -> PortSnapshot {
     let Some(svc) = service else {
         return PortSnapshot::default();
     };

@@ -13,8 +13,10 @@
 //! - [`policy`]: default answers for the policy APIs, so any
 //!   linkerd2-proxy-api client falls back instead of hanging.
 //! - [`metrics`]: the control plane's Prometheus metrics.
+//! - [`diagnostics`]: Tether's own gRPC API for operator tools.
 
 pub mod destination;
+pub mod diagnostics;
 pub mod identity;
 pub mod index;
 pub mod metrics;

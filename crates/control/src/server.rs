@@ -92,11 +92,13 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         })
     };
 
+    let registry = Arc::new(registry);
+    let diagnostics = crate::diagnostics::DiagnosticsServer::new(registry.clone());
     tokio::spawn(tether_admin::serve(
         admin_listener,
         Admin {
             readiness: readiness.clone(),
-            metrics: Arc::new(registry),
+            metrics: registry,
             extra: Some(audit),
         },
         shutdown.clone(),
@@ -144,6 +146,7 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         .add_service(OutboundPoliciesServer::new(policy.clone()))
         .add_service(InboundServerPoliciesServer::new(policy))
         .add_optional_service(identity)
+        .add_service(diagnostics)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(grpc),
             async move { signal.triggered().await },

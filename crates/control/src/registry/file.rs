@@ -52,6 +52,8 @@ struct FileEntry {
 struct Loaded {
     files: HashMap<PathBuf, FileEntry>,
     mentions: HashMap<ServiceKey, BTreeSet<PathBuf>>,
+    /// Rejections since this was last drained, for one-shot readers.
+    rejections: Vec<String>,
 }
 
 pub fn is_registry_file(path: &Path) -> bool {
@@ -141,6 +143,7 @@ impl Loaded {
             Ok(docs) => docs,
             Err(error) => {
                 metrics.registry_reload_errors.inc();
+                self.rejections.push(format!("{}: {error}", path.display()));
                 tracing::error!(
                     "registry file {} rejected: {error}; its last good state stays in force",
                     path.display()
@@ -246,6 +249,31 @@ impl Loaded {
             endpoints: docs().flat_map(|d| d.endpoints().iter().cloned()).collect(),
         })
     }
+}
+
+/// Reads a registry directory once, exactly as the file registry would,
+/// for tools that compare it with what control planes serve. Returns every
+/// service and the files that were rejected (with why).
+pub fn read_once(
+    dir: &Path,
+) -> Result<
+    (
+        std::collections::BTreeMap<ServiceKey, ServiceState>,
+        Vec<String>,
+    ),
+    RegistryError,
+> {
+    let registry = FileRegistry::new(dir, ControlMetrics::default());
+    let mut loaded = Loaded::default();
+    for path in registry.list()?.into_keys() {
+        loaded.reload(&path, &registry.metrics);
+    }
+    let services = loaded
+        .mentions
+        .keys()
+        .filter_map(|k| loaded.merged(k).map(|s| (k.clone(), s)))
+        .collect();
+    Ok((services, std::mem::take(&mut loaded.rejections)))
 }
 
 /// Applies a batch of changed paths to the index.
