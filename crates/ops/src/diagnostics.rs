@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use linkerd2_proxy_api::destination::{
@@ -125,7 +125,7 @@ pub async fn replica_view(control: &str, authority: &str) -> Result<View, String
 
 /// What the registry directory says about `authority` (ready or not).
 pub fn registry_view(
-    dir: &PathBuf,
+    dir: &Path,
     authority: &str,
     cluster_domain: &str,
 ) -> anyhow::Result<(View, Vec<String>)> {
