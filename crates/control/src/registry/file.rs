@@ -29,7 +29,7 @@ use crate::index::{Index, ServiceState};
 use crate::metrics::ControlMetrics;
 
 /// How long to keep collecting events after the first one of a burst.
-const COALESCE_WINDOW: Duration = Duration::from_millis(30);
+const COALESCE_WINDOW: Duration = Duration::from_millis(10);
 /// Bound on queued watcher events; beyond it the registry rescans instead.
 const EVENT_QUEUE: usize = 4096;
 

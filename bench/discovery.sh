@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Discovery under churn: registry change → subscriber latency, control-plane
+# RSS/CPU, memory per subscriber. Arguments go to the harness:
+#   --endpoints N (≤10000) --services S --subscribers M (≤5000) --churn R (≤500/s) --seconds T
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release -q -p tether -p tether-bench
+exec target/release/discovery --tether target/release/tether --load target/release/discovery-load "$@"

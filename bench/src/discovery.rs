@@ -1,0 +1,345 @@
+//! Discovery under churn: N endpoints across S services in the file
+//! registry, M subscribers over real gRPC from a separate process
+//! (`discovery-load`), and a churn of R registry changes per second (each
+//! replaces one endpoint of one service: one Remove and one Add for every
+//! subscriber of that service). Prints the latency from registry change to
+//! subscriber receipt, the control plane's RSS and CPU, and memory per
+//! subscriber.
+//!
+//! Usage: bench/discovery.sh [--endpoints N] [--services S] [--subscribers M]
+//!                           [--churn R] [--seconds T]
+
+use std::collections::VecDeque;
+use std::io::BufRead;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context};
+use tether_core::registry::{Document, EndpointSpec, EndpointsDoc, PortSpec, ServiceDoc};
+use tether_mesh_up::process::Process;
+use tether_mesh_up::up::write_document;
+
+struct Args {
+    tether: PathBuf,
+    load: PathBuf,
+    endpoints: usize,
+    services: usize,
+    subscribers: usize,
+    churn: f64,
+    seconds: f64,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
+    let mut a = Args {
+        tether: "target/release/tether".into(),
+        load: "target/release/discovery-load".into(),
+        endpoints: 10_000,
+        services: 100,
+        subscribers: 5_000,
+        churn: 500.0,
+        seconds: 10.0,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let v = it.next().with_context(|| format!("{flag} needs a value"))?;
+        match flag.as_str() {
+            "--tether" => a.tether = v.into(),
+            "--load" => a.load = v.into(),
+            "--endpoints" => a.endpoints = v.parse()?,
+            "--services" => a.services = v.parse()?,
+            "--subscribers" => a.subscribers = v.parse()?,
+            "--churn" => a.churn = v.parse()?,
+            "--seconds" => a.seconds = v.parse()?,
+            other => bail!("unknown flag {other}"),
+        }
+    }
+    anyhow::ensure!(
+        (1..=10_000).contains(&a.endpoints),
+        "--endpoints must be 1-10000"
+    );
+    anyhow::ensure!(
+        (1..=a.endpoints).contains(&a.services),
+        "--services must be 1..endpoints"
+    );
+    anyhow::ensure!(
+        (1..=5_000).contains(&a.subscribers),
+        "--subscribers must be 1-5000"
+    );
+    anyhow::ensure!(
+        a.churn > 0.0 && a.churn <= 500.0,
+        "--churn must be in (0, 500]"
+    );
+    anyhow::ensure!(
+        a.seconds > 0.0 && a.seconds <= 120.0,
+        "--seconds must be in (0, 120]"
+    );
+    Ok(a)
+}
+
+fn proc_usage(pid: u32) -> (f64, u64, u64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let f: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kb = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0u64)
+    };
+    ((ticks(11) + ticks(12)) / 100.0, kb("VmRSS:"), kb("VmHWM:"))
+}
+
+/// A service's endpoints, oldest first; addresses are never reused.
+struct Service {
+    name: String,
+    endpoints: VecDeque<(SocketAddr, String)>,
+}
+
+fn endpoint_addr(n: u32) -> SocketAddr {
+    SocketAddr::new(Ipv4Addr::from(0x0a00_0000 + n).into(), 80)
+}
+
+fn write_endpoints(dir: &Path, svc: &Service) -> anyhow::Result<()> {
+    let doc = Document::Endpoints(EndpointsDoc {
+        service: svc.name.clone(),
+        namespace: "bench".into(),
+        endpoints: svc
+            .endpoints
+            .iter()
+            .map(|(a, zone)| EndpointSpec {
+                address: *a,
+                port: None,
+                ready: true,
+                identity: None,
+                zone: Some(zone.clone()),
+                weight: 1,
+                meshed: true,
+                name: None,
+            })
+            .collect(),
+    });
+    write_document(dir, &format!("{}.endpoints.yaml", svc.name), &doc)?;
+    Ok(())
+}
+
+fn now_stamp() -> String {
+    format!(
+        "t{}",
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos()
+    )
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = parse_args()?;
+    let dir = std::env::temp_dir().join(format!("tether-bench-discovery-{}", std::process::id()));
+    let registry = dir.join("registry");
+    std::fs::create_dir_all(&registry)?;
+    let per_service = args.endpoints / args.services;
+    let mut next_addr = 1u32;
+    let mut services = Vec::new();
+    for i in 0..args.services {
+        let name = format!("svc-{i}");
+        write_document(
+            &registry,
+            &format!("{name}.yaml"),
+            &Document::Service(ServiceDoc {
+                name: name.clone(),
+                namespace: "bench".into(),
+                ports: vec![PortSpec {
+                    port: 80,
+                    opaque: false,
+                }],
+                global_id: None,
+                mode: None,
+                endpoints: vec![],
+            }),
+        )?;
+        let endpoints = (0..per_service.max(1))
+            .map(|_| {
+                next_addr += 1;
+                (endpoint_addr(next_addr), "init".to_string())
+            })
+            .collect();
+        let svc = Service { name, endpoints };
+        write_endpoints(&registry, &svc)?;
+        services.push(svc);
+    }
+    let s = |v: &str| v.to_string();
+    let control = Process::spawn(
+        &args.tether,
+        "control",
+        &[
+            s("control"),
+            s("--registry"),
+            registry.display().to_string(),
+            s("--grpc"),
+            s("127.0.0.1:0"),
+            s("--admin"),
+            s("127.0.0.1:0"),
+        ],
+        &dir.join("control.log"),
+        &["grpc", "admin"],
+    )
+    .await?;
+    let pid = control.pid().context("control pid")?;
+    for _ in 0..600 {
+        if let Ok((200, _)) = tether_mesh_up::stats::http_get(control.addr("admin"), "/ready").await
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_, rss_loaded, _) = proc_usage(pid);
+
+    println!(
+        "discovery benchmark: {} endpoints in {} services, {} subscribers, {} changes/s for {}s",
+        per_service * args.services,
+        args.services,
+        args.subscribers,
+        args.churn,
+        args.seconds
+    );
+    let authorities: Vec<String> = services
+        .iter()
+        .map(|svc| format!("{}.bench.svc.cluster.local:80", svc.name))
+        .collect();
+    let subscribe_started = Instant::now();
+    let mut load = Command::new(&args.load)
+        .arg(control.addr("grpc").to_string())
+        .arg(args.subscribers.to_string())
+        .arg((args.seconds + 2.0).to_string())
+        .args(&authorities)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting discovery-load")?;
+    let stdout = load.stdout.take().context("load stdout")?;
+    let (line_tx, line_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if line_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let first = line_rx
+        .recv_timeout(Duration::from_secs(90))
+        .context("subscribers never all answered")?;
+    anyhow::ensure!(
+        first == "subscribed",
+        "unexpected output from discovery-load: {first}"
+    );
+    let subscribe_time = subscribe_started.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (cpu_before, rss_subscribed, _) = proc_usage(pid);
+
+    // Churn: each change replaces one endpoint of one service.
+    let interval = Duration::from_secs_f64(1.0 / args.churn);
+    let started = Instant::now();
+    let mut changes = 0usize;
+    let mut write_time = Duration::ZERO;
+    while started.elapsed() < Duration::from_secs_f64(args.seconds) {
+        let due = started + interval * changes as u32;
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            tokio::time::sleep(wait).await;
+        }
+        let svc = &mut services[changes % args.services];
+        svc.endpoints.pop_front();
+        next_addr += 1;
+        svc.endpoints
+            .push_back((endpoint_addr(next_addr), now_stamp()));
+        let t = Instant::now();
+        write_endpoints(&registry, svc)?;
+        write_time += t.elapsed();
+        changes += 1;
+    }
+    let churn_elapsed = started.elapsed();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (cpu_after, rss_end, rss_peak) = proc_usage(pid);
+    let summary = line_rx
+        .recv_timeout(Duration::from_secs(30))
+        .context("no summary from discovery-load")?;
+    let _ = load.wait();
+    let report: serde_json::Value = serde_json::from_str(&summary)?;
+    let server_side = tether_mesh_up::stats::http_get(control.addr("admin"), "/metrics")
+        .await?
+        .1;
+    let buckets: Vec<(f64, f64)> = tether_core::prom::parse(&server_side)
+        .into_iter()
+        .filter(|s| s.name == "tether_destination_update_latency_seconds_bucket")
+        .filter_map(|s| {
+            let le = match s.label("le")? {
+                "+Inf" => f64::INFINITY,
+                v => v.parse().ok()?,
+            };
+            Some((le, s.value))
+        })
+        .collect();
+    let server_q =
+        |q| tether_core::prom::histogram_quantile(q, &buckets).map_or(f64::NAN, |v| v * 1000.0);
+
+    let f = |k: &str| report[k].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "\nchanges written: {changes} in {:.1}s ({:.0}/s)",
+        churn_elapsed.as_secs_f64(),
+        changes as f64 / churn_elapsed.as_secs_f64()
+    );
+    println!(
+        "updates received by subscribers: {} ({} adds timed)",
+        report["updates_received"], report["adds_timed"]
+    );
+    println!(
+        "latency registry write → subscriber receipt: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        f("p50_ms"),
+        f("p99_ms"),
+        f("max_ms")
+    );
+    println!(
+        "  of which inside the control plane (change observed → update sent): p50 {:.2} ms, p99 {:.2} ms",
+        server_q(0.5),
+        server_q(0.99)
+    );
+    println!(
+        "subscribing {} streams took {:.2}s",
+        args.subscribers,
+        subscribe_time.as_secs_f64()
+    );
+    println!(
+        "control plane RSS: {:.1} MiB after loading the registry, {:.1} MiB with subscribers, {:.1} MiB at the end, peak {:.1} MiB",
+        rss_loaded as f64 / 1024.0,
+        rss_subscribed as f64 / 1024.0,
+        rss_end as f64 / 1024.0,
+        rss_peak as f64 / 1024.0
+    );
+    println!(
+        "memory per subscriber: {:.0} bytes",
+        (rss_subscribed.saturating_sub(rss_loaded) as f64 * 1024.0) / args.subscribers as f64
+    );
+    println!(
+        "control plane CPU during churn: {:.2} s over {:.1} s ({:.2} ms per change); the writer spent {:.2} s writing files",
+        cpu_after - cpu_before,
+        churn_elapsed.as_secs_f64(),
+        (cpu_after - cpu_before) * 1000.0 / changes.max(1) as f64,
+        write_time.as_secs_f64()
+    );
+    drop(control);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
