@@ -29,11 +29,11 @@ use linkerd2_proxy_api::destination::{
 };
 use linkerd2_proxy_api::net::TcpAddress;
 use tether_admin::Shutdown;
-use tether_core::authority::{parse_service_authority, split_host_port, ServiceKey};
+use tether_core::authority::{parse_service_authority, split_host_port};
 use tokio::sync::{mpsc, Notify};
 use tonic::{Request, Response, Status};
 
-use crate::index::{EndpointMeta, Index, PortSnapshot, SlotReceiver};
+use crate::index::{EndpointMeta, Index, PortSnapshot, SlotKey, SlotReceiver};
 use crate::metrics::{ControlMetrics, ServiceLabels};
 
 /// Updates buffered per subscriber before its task waits (on that
@@ -55,7 +55,7 @@ pub struct DestinationService {
 
 /// One live `Destination.Get` stream, as the audit sees it.
 pub struct Subscription {
-    pub service: ServiceKey,
+    pub service: SlotKey,
     pub port: u16,
     state: Mutex<SubState>,
     repair: Notify,
@@ -125,7 +125,7 @@ impl Drop for Registered {
 impl Subscriptions {
     fn register(
         &self,
-        service: ServiceKey,
+        service: SlotKey,
         port: u16,
         metrics: &ControlMetrics,
     ) -> (Arc<Subscription>, Registered) {
@@ -167,7 +167,7 @@ impl Subscriptions {
             subscriptions: subs.len(),
             ..Default::default()
         };
-        let mut checked: HashMap<(ServiceKey, u16), (PortSnapshot, u64)> = HashMap::new();
+        let mut checked: HashMap<(SlotKey, u16), (PortSnapshot, u64)> = HashMap::new();
         for sub in subs {
             let (snap, version) = checked
                 .entry((sub.service.clone(), sub.port))
@@ -217,7 +217,7 @@ pub struct SentState {
 impl SentState {
     /// The updates that take this subscriber from what it was sent to
     /// `snap`, and records them as sent.
-    pub fn diff(&mut self, snap: &PortSnapshot, service: &ServiceKey) -> Vec<Update> {
+    pub fn diff(&mut self, snap: &PortSnapshot, service: &SlotKey) -> Vec<Update> {
         let mut out = Vec::new();
         let removed: Vec<SocketAddr> = self
             .endpoints
@@ -258,10 +258,13 @@ impl SentState {
             out.push(Update {
                 update: Some(update::Update::Add(WeightedAddrSet {
                     addrs: added,
-                    metric_labels: HashMap::from([
-                        ("service".to_string(), service.name.clone()),
-                        ("namespace".to_string(), service.namespace.clone()),
-                    ]),
+                    metric_labels: match service {
+                        SlotKey::Service(k) => HashMap::from([
+                            ("service".to_string(), k.name.clone()),
+                            ("namespace".to_string(), k.namespace.clone()),
+                        ]),
+                        SlotKey::Global(g) => HashMap::from([("global_id".to_string(), g.clone())]),
+                    },
                 })),
             });
         }
@@ -283,6 +286,9 @@ pub fn weighted_addr(addr: SocketAddr, meta: &EndpointMeta) -> WeightedAddr {
     }
     if let Some(name) = &meta.name {
         labels.insert("pod".to_string(), name.clone());
+    }
+    if let Some(cluster) = &meta.cluster {
+        labels.insert("cluster".to_string(), cluster.clone());
     }
     let tls_identity = meta.identity.as_ref().map(|id| TlsIdentity {
         strategy: Some(tls_identity::Strategy::DnsLikeIdentity(
@@ -313,6 +319,11 @@ pub fn weighted_addr(addr: SocketAddr, meta: &EndpointMeta) -> WeightedAddr {
         metric_labels: labels,
         tls_identity,
         protocol_hint,
+        authority_override: meta.authority_override.as_ref().map(|a| {
+            linkerd2_proxy_api::destination::AuthorityOverride {
+                authority_override: a.clone(),
+            }
+        }),
         ..Default::default()
     }
 }
@@ -365,6 +376,14 @@ fn until_shutdown<T: Send + 'static>(
     futures::stream::once(async move { shutdown.triggered().await }).filter_map(|_| async { None })
 }
 
+/// `<global-id>.global[:port]`: the local endpoints of a global id (what a
+/// gateway resolves).
+pub fn global_path(path: &str) -> Option<(String, u16)> {
+    let (host, port) = split_host_port(path).ok()?;
+    let g = host.strip_suffix(".global")?;
+    (!g.is_empty()).then(|| (g.to_string(), port))
+}
+
 pub fn one_then_hold<T: Send + 'static>(item: T, shutdown: Shutdown) -> BoxStream<T> {
     Box::pin(futures::stream::once(async move { Ok(item) }).chain(until_shutdown(shutdown)))
 }
@@ -373,9 +392,10 @@ impl DestinationService {
     /// Starts a subscription's sender task; updates arrive on the receiver.
     pub fn subscribe(
         &self,
-        service: ServiceKey,
+        service: impl Into<SlotKey>,
         port: u16,
     ) -> mpsc::Receiver<Result<Update, Status>> {
+        let service = service.into();
         let slot = self.index.subscribe(&service, port);
         let (sub, registered) = self.subscriptions.register(service, port, &self.metrics);
         let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
@@ -409,7 +429,10 @@ impl DestinationService {
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         Ok(DestinationProfile {
             fully_qualified_name: auth.service.fqdn(&self.cluster_domain),
-            opaque_protocol: self.index.snapshot(&auth.service, auth.port).opaque,
+            opaque_protocol: self
+                .index
+                .snapshot(&SlotKey::Service(auth.service.clone()), auth.port)
+                .opaque,
             retry_budget: Some(RetryBudget {
                 retry_ratio: 0.2,
                 min_retries_per_second: 10,
@@ -433,10 +456,16 @@ impl Destination for DestinationService {
             return Err(Status::unavailable("control plane is shutting down"));
         }
         let path = req.into_inner().path;
-        let auth = parse_service_authority(&path, &self.cluster_domain)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         tracing::debug!(%path, "Destination.Get");
-        let rx = self.subscribe(auth.service, auth.port);
+        let (key, port) = match global_path(&path) {
+            Some((g, port)) => (SlotKey::Global(g), port),
+            None => {
+                let auth = parse_service_authority(&path, &self.cluster_domain)
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                (SlotKey::Service(auth.service), auth.port)
+            }
+        };
+        let rx = self.subscribe(key, port);
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -455,6 +484,7 @@ impl Destination for DestinationService {
 mod tests {
     use super::*;
     use crate::index::EndpointMeta;
+    use tether_core::authority::ServiceKey;
 
     fn meta() -> EndpointMeta {
         EndpointMeta {
@@ -464,6 +494,8 @@ mod tests {
             meshed: true,
             opaque: false,
             name: None,
+            cluster: None,
+            authority_override: None,
         }
     }
 
@@ -491,7 +523,7 @@ mod tests {
 
     #[test]
     fn diffs_converge_whatever_was_skipped() {
-        let key = ServiceKey::new("web", "demo");
+        let key = SlotKey::Service(ServiceKey::new("web", "demo"));
         let mut sent = SentState::default();
         assert_eq!(kinds(&sent.diff(&snap(false, &[]), &key)), ["none:false"]);
         assert_eq!(

@@ -1,6 +1,13 @@
 //! The in-memory index: service → port → endpoint set, with one
 //! latest-state slot per subscribed (service, port).
 //!
+//! Multicluster: services sharing a `global_id` form one logical service.
+//! A subscriber of any of them gets the union of their local endpoints,
+//! plus — by the service's mode and the links' priority tiers — one
+//! endpoint per linked cluster that has ready endpoints for that global id:
+//! its gateway, weighted by the remote ready count. `<global-id>.global`
+//! subscriptions (the gateway's) get the local union only.
+//!
 //! A slot is a `tokio::sync::watch` channel: writing replaces the value and
 //! never waits, readers always see the newest value. That is the whole
 //! fan-out contract: the index never blocks on a subscriber, and a slow
@@ -8,7 +15,7 @@
 //! The lock is a plain mutex held only for map updates, never across an
 //! `.await`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -37,6 +44,10 @@ pub struct EndpointMeta {
     pub meshed: bool,
     pub opaque: bool,
     pub name: Option<String>,
+    /// The cluster the endpoint is in (multicluster only).
+    pub cluster: Option<String>,
+    /// The authority to send instead of the request's (gateways).
+    pub authority_override: Option<String>,
 }
 
 /// The current state of one (service, port): only ready endpoints.
@@ -60,10 +71,48 @@ pub struct Published {
 pub type SlotReceiver = watch::Receiver<Arc<Published>>;
 type Slot = watch::Sender<Arc<Published>>;
 
+/// What a subscription watches.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SlotKey {
+    /// A service (merged with its global id's, when it has one).
+    Service(ServiceKey),
+    /// The local endpoints of every service with this global id.
+    Global(String),
+}
+
+impl From<ServiceKey> for SlotKey {
+    fn from(k: ServiceKey) -> Self {
+        SlotKey::Service(k)
+    }
+}
+
+impl std::fmt::Display for SlotKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SlotKey::Service(k) => write!(f, "{k}"),
+            SlotKey::Global(g) => write!(f, "global/{g}"),
+        }
+    }
+}
+
+/// A linked cluster, as its export stream and gateway probe describe it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteCluster {
+    pub priority: u32,
+    pub gateway: SocketAddr,
+    pub gateway_identity: Option<String>,
+    /// Ready endpoints per exported global id.
+    pub ready: BTreeMap<String, u32>,
+}
+
 #[derive(Default)]
 struct Inner {
+    /// This cluster's name (empty when not multicluster).
+    cluster: String,
     services: HashMap<ServiceKey, ServiceState>,
-    slots: HashMap<ServiceKey, HashMap<u16, Slot>>,
+    by_global: HashMap<String, BTreeSet<ServiceKey>>,
+    remotes: BTreeMap<String, RemoteCluster>,
+    slots: HashMap<SlotKey, HashMap<u16, Slot>>,
 }
 
 #[derive(Clone)]
@@ -78,6 +127,11 @@ impl Index {
             inner: Arc::default(),
             metrics,
         }
+    }
+
+    /// Names this cluster (labels local endpoints when multicluster).
+    pub fn set_cluster(&self, name: &str) {
+        self.inner.lock().unwrap().cluster = name.to_string();
     }
 
     /// Replaces (or, with `None`, removes) a service and publishes the new
@@ -100,6 +154,8 @@ impl Index {
         let labels = ServiceLabels {
             service: key.to_string(),
         };
+        let old_global = inner.services.get(key).and_then(|s| s.global_id.clone());
+        let new_global = state.as_ref().and_then(|s| s.global_id.clone());
         match state {
             Some(s) => {
                 if inner.services.insert(key.clone(), s).is_none() {
@@ -117,28 +173,78 @@ impl Index {
                 self.metrics.endpoints_per_service.remove(&labels);
             }
         }
+        if let Some(g) = &old_global {
+            if let Some(members) = inner.by_global.get_mut(g) {
+                members.remove(key);
+                if members.is_empty() {
+                    inner.by_global.remove(g);
+                }
+            }
+        }
+        if let Some(g) = &new_global {
+            inner
+                .by_global
+                .entry(g.clone())
+                .or_default()
+                .insert(key.clone());
+        }
         self.metrics
             .registry_endpoints
             .inc_by(new_endpoints as i64 - old_endpoints as i64);
-        let Inner { services, slots } = &mut *inner;
-        if let Some(ports) = slots.get_mut(key) {
-            ports.retain(|port, slot| {
-                publish(slot, snapshot_of(services.get(key), *port), observed_at);
-                // Forget slots nobody watches; they are rebuilt on demand.
-                slot.receiver_count() > 0
-            });
-            if ports.is_empty() {
-                slots.remove(key);
+        let mut affected = vec![SlotKey::Service(key.clone())];
+        for g in old_global.iter().chain(new_global.iter()) {
+            affected.push(SlotKey::Global(g.clone()));
+            if let Some(members) = inner.by_global.get(g) {
+                affected.extend(members.iter().cloned().map(SlotKey::Service));
             }
         }
+        inner.republish(&affected, observed_at);
+    }
+
+    /// Replaces (or removes) a linked cluster's state, republishing every
+    /// service with a global id.
+    pub fn set_remote(&self, name: &str, remote: Option<RemoteCluster>) {
+        let mut inner = self.inner.lock().unwrap();
+        let changed = match remote {
+            Some(r) => inner.remotes.insert(name.to_string(), r.clone()).as_ref() != Some(&r),
+            None => inner.remotes.remove(name).is_some(),
+        };
+        if !changed {
+            return;
+        }
+        let affected: Vec<SlotKey> = inner
+            .by_global
+            .values()
+            .flatten()
+            .cloned()
+            .map(SlotKey::Service)
+            .collect();
+        inner.republish(&affected, Instant::now());
+    }
+
+    /// Ready local endpoints per global id, for the export API.
+    pub fn exported(&self) -> BTreeMap<String, u32> {
+        let inner = self.inner.lock().unwrap();
+        inner
+            .by_global
+            .keys()
+            .map(|g| {
+                let ready: BTreeSet<SocketAddr> = inner
+                    .local_members(g)
+                    .flat_map(|s| s.endpoints.iter().filter(|e| e.ready).map(|e| e.address))
+                    .collect();
+                (g.clone(), ready.len() as u32)
+            })
+            .collect()
     }
 
     /// Subscribes to one (service, port); the receiver holds the current
     /// state at once.
-    pub fn subscribe(&self, key: &ServiceKey, port: u16) -> SlotReceiver {
+    pub fn subscribe(&self, key: &SlotKey, port: u16) -> SlotReceiver {
         let mut inner = self.inner.lock().unwrap();
-        let Inner { services, slots } = &mut *inner;
-        let slot = slots
+        let snap = inner.snapshot(key, port);
+        let slot = inner
+            .slots
             .entry(key.clone())
             .or_default()
             .entry(port)
@@ -146,20 +252,19 @@ impl Index {
                 watch::Sender::new(Arc::new(Published {
                     version: 0,
                     observed_at: Instant::now(),
-                    snap: snapshot_of(services.get(key), port),
+                    snap,
                 }))
             });
         slot.subscribe()
     }
 
-    /// The index's state for (service, port), and the slot's version
-    /// and whether the slot agrees with the index. Publishes the index's
-    /// state into the slot when it does not (a repair).
-    pub fn check_slot(&self, key: &ServiceKey, port: u16) -> (PortSnapshot, u64, bool) {
+    /// The index's state for (key, port), the slot's version, and whether
+    /// the slot agrees with the index. Publishes the index's state into the
+    /// slot when it does not (a repair).
+    pub fn check_slot(&self, key: &SlotKey, port: u16) -> (PortSnapshot, u64, bool) {
         let mut inner = self.inner.lock().unwrap();
-        let Inner { services, slots } = &mut *inner;
-        let snap = snapshot_of(services.get(key), port);
-        match slots.get_mut(key).and_then(|p| p.get_mut(&port)) {
+        let snap = inner.snapshot(key, port);
+        match inner.slots.get_mut(key).and_then(|p| p.get_mut(&port)) {
             Some(slot) => {
                 let agrees = slot.borrow().snap == snap;
                 if !agrees {
@@ -171,8 +276,8 @@ impl Index {
         }
     }
 
-    pub fn snapshot(&self, key: &ServiceKey, port: u16) -> PortSnapshot {
-        snapshot_of(self.inner.lock().unwrap().services.get(key), port)
+    pub fn snapshot(&self, key: &SlotKey, port: u16) -> PortSnapshot {
+        self.inner.lock().unwrap().snapshot(key, port)
     }
 
     pub fn service(&self, key: &ServiceKey) -> Option<ServiceState> {
@@ -188,7 +293,7 @@ impl Index {
                 if ep.address == addr {
                     let port = ep.port.unwrap_or(svc.ports[0].port);
                     let opaque = svc.ports.iter().any(|p| p.port == port && p.opaque);
-                    return Some((key.clone(), port, meta_of(ep, opaque)));
+                    return Some((key.clone(), port, meta_of(ep, opaque, &inner.cluster)));
                 }
             }
         }
@@ -202,6 +307,116 @@ impl Index {
             ports.retain(|_, slot| slot.receiver_count() > 0);
             !ports.is_empty()
         });
+    }
+}
+
+impl Inner {
+    fn local_members<'a>(&'a self, global: &str) -> impl Iterator<Item = &'a ServiceState> + 'a {
+        self.by_global
+            .get(global)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.services.get(k))
+    }
+
+    /// Ready local endpoints of every service with `global` serving `port`.
+    fn local_union(&self, global: &str, port: u16) -> BTreeMap<SocketAddr, EndpointMeta> {
+        let mut out = BTreeMap::new();
+        for svc in self.local_members(global) {
+            out.extend(ready_endpoints(svc, port, &self.cluster));
+        }
+        out
+    }
+
+    fn snapshot(&self, key: &SlotKey, port: u16) -> PortSnapshot {
+        match key {
+            SlotKey::Global(g) => PortSnapshot {
+                exists: self.by_global.contains_key(g),
+                opaque: false,
+                endpoints: self.local_union(g, port),
+            },
+            SlotKey::Service(k) => {
+                let Some(svc) = self.services.get(k) else {
+                    return PortSnapshot::default();
+                };
+                let Some(spec) = svc.ports.iter().find(|p| p.port == port) else {
+                    return PortSnapshot::default();
+                };
+                let Some(global) = &svc.global_id else {
+                    return PortSnapshot {
+                        exists: true,
+                        opaque: spec.opaque,
+                        endpoints: ready_endpoints(svc, port, &self.cluster),
+                    };
+                };
+                let mut endpoints = self.local_union(global, port);
+                let mode = svc.mode.unwrap_or_default();
+                if mode == MulticlusterMode::Balanced || endpoints.is_empty() {
+                    endpoints.extend(self.remote_tier(global, port));
+                }
+                PortSnapshot {
+                    exists: true,
+                    opaque: spec.opaque,
+                    endpoints,
+                }
+            }
+        }
+    }
+
+    /// The gateways of the best-priority tier of linked clusters that have
+    /// ready endpoints for `global`.
+    fn remote_tier(&self, global: &str, port: u16) -> BTreeMap<SocketAddr, EndpointMeta> {
+        let ready = |r: &RemoteCluster| r.ready.get(global).copied().unwrap_or(0);
+        let Some(best) = self
+            .remotes
+            .values()
+            .filter(|r| ready(r) > 0)
+            .map(|r| r.priority)
+            .min()
+        else {
+            return BTreeMap::new();
+        };
+        self.remotes
+            .iter()
+            .filter(|(_, r)| r.priority == best && ready(r) > 0)
+            .map(|(name, r)| {
+                (
+                    r.gateway,
+                    EndpointMeta {
+                        weight: ready(r),
+                        identity: r.gateway_identity.clone(),
+                        zone: None,
+                        meshed: true,
+                        opaque: false,
+                        name: Some(format!("gateway.{name}")),
+                        cluster: Some(name.clone()),
+                        authority_override: Some(format!("{global}.global:{port}")),
+                    },
+                )
+            })
+            .collect()
+    }
+
+    fn republish(&mut self, keys: &[SlotKey], observed_at: Instant) {
+        for key in keys {
+            let Some(ports) = self.slots.get(key) else {
+                continue;
+            };
+            let ports: Vec<u16> = ports.keys().copied().collect();
+            for port in ports {
+                let snap = self.snapshot(key, port);
+                if let Some(slot) = self.slots.get_mut(key).and_then(|p| p.get_mut(&port)) {
+                    publish(slot, snap, observed_at);
+                }
+            }
+            // Forget slots nobody watches; they are rebuilt on demand.
+            if let Some(p) = self.slots.get_mut(key) {
+                p.retain(|_, slot| slot.receiver_count() > 0);
+                if p.is_empty() {
+                    self.slots.remove(key);
+                }
+            }
+        }
     }
 }
 
@@ -220,7 +435,7 @@ fn publish(slot: &mut Slot, snap: PortSnapshot, observed_at: Instant) {
     });
 }
 
-fn meta_of(ep: &EndpointSpec, opaque: bool) -> EndpointMeta {
+fn meta_of(ep: &EndpointSpec, opaque: bool, cluster: &str) -> EndpointMeta {
     EndpointMeta {
         weight: ep.weight,
         identity: ep.identity.clone(),
@@ -228,28 +443,25 @@ fn meta_of(ep: &EndpointSpec, opaque: bool) -> EndpointMeta {
         meshed: ep.meshed,
         opaque,
         name: ep.name.clone(),
+        cluster: (!cluster.is_empty()).then(|| cluster.to_string()),
+        authority_override: None,
     }
 }
 
-/// What subscribers of (service, port) are told: its ready endpoints.
-pub fn snapshot_of(service: Option<&ServiceState>, port: u16) -> PortSnapshot {
-    let Some(svc) = service else {
-        return PortSnapshot::default();
-    };
+/// A service's ready endpoints serving `port`.
+fn ready_endpoints(
+    svc: &ServiceState,
+    port: u16,
+    cluster: &str,
+) -> BTreeMap<SocketAddr, EndpointMeta> {
     let Some(spec) = svc.ports.iter().find(|p| p.port == port) else {
-        return PortSnapshot::default();
+        return BTreeMap::new();
     };
-    let endpoints = svc
-        .endpoints
+    svc.endpoints
         .iter()
         .filter(|ep| ep.ready && ep.port.is_none_or(|p| p == port))
-        .map(|ep| (ep.address, meta_of(ep, spec.opaque)))
-        .collect();
-    PortSnapshot {
-        exists: true,
-        opaque: spec.opaque,
-        endpoints,
-    }
+        .map(|ep| (ep.address, meta_of(ep, spec.opaque, cluster)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -285,7 +497,7 @@ mod tests {
     fn slots_follow_the_service() {
         let index = Index::new(ControlMetrics::default());
         let key = ServiceKey::new("web", "demo");
-        let mut rx = index.subscribe(&key, 80);
+        let mut rx = index.subscribe(&SlotKey::Service(key.clone()), 80);
         assert!(!rx.borrow_and_update().snap.exists);
 
         index.set_service(
@@ -319,14 +531,119 @@ mod tests {
         assert!(!rx.borrow_and_update().snap.exists);
         // A port the service does not declare does not exist.
         index.set_service(&key, Some(service(vec![])));
-        assert!(!index.subscribe(&key, 81).borrow().snap.exists);
+        assert!(
+            !index
+                .subscribe(&SlotKey::Service(key.clone()), 81)
+                .borrow()
+                .snap
+                .exists
+        );
+    }
+
+    fn global(mode: MulticlusterMode, endpoints: Vec<EndpointSpec>) -> ServiceState {
+        ServiceState {
+            global_id: Some("web-global".into()),
+            mode: Some(mode),
+            ..service(endpoints)
+        }
+    }
+
+    fn remote(priority: u32, port: u16, ready: u32) -> RemoteCluster {
+        RemoteCluster {
+            priority,
+            gateway: SocketAddr::from(([10, 9, 9, 9], port)),
+            gateway_identity: Some("gateway.x".into()),
+            ready: BTreeMap::from([("web-global".to_string(), ready)]),
+        }
+    }
+
+    fn ports_of(index: &Index, key: &ServiceKey) -> Vec<u16> {
+        index
+            .snapshot(&SlotKey::Service(key.clone()), 80)
+            .endpoints
+            .keys()
+            .map(|a| a.port())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect()
+    }
+
+    #[test]
+    fn global_ids_join_services_and_modes_pick_remotes() {
+        let index = Index::new(ControlMetrics::default());
+        let a = ServiceKey::new("web", "east");
+        let b = ServiceKey::new("frontend", "shop");
+        index.set_service(
+            &a,
+            Some(global(
+                MulticlusterMode::Failover,
+                vec![endpoint("127.0.0.1:1", true)],
+            )),
+        );
+        index.set_service(
+            &b,
+            Some(global(
+                MulticlusterMode::Balanced,
+                vec![endpoint("127.0.0.1:2", true)],
+            )),
+        );
+        // Different names and namespaces, one logical service.
+        assert_eq!(ports_of(&index, &a), vec![1, 2]);
+        assert_eq!(index.exported()["web-global"], 2);
+
+        index.set_remote("west", Some(remote(1, 4001, 3)));
+        index.set_remote("north", Some(remote(2, 4002, 5)));
+        // Failover: local is healthy, nothing remote.
+        assert_eq!(ports_of(&index, &a), vec![1, 2]);
+        // Balanced: local plus the best remote tier, weighted by ready count.
+        let snap = index.snapshot(&SlotKey::Service(b.clone()), 80);
+        let mut ports: Vec<u16> = snap.endpoints.keys().map(|a| a.port()).collect();
+        ports.sort();
+        assert_eq!(ports, vec![1, 2, 4001]);
+        let gw = &snap.endpoints[&SocketAddr::from(([10, 9, 9, 9], 4001))];
+        assert_eq!(gw.weight, 3);
+        assert_eq!(gw.cluster.as_deref(), Some("west"));
+        assert_eq!(
+            gw.authority_override.as_deref(),
+            Some("web-global.global:80")
+        );
+
+        // Every local replica gone: failover goes to the best tier...
+        index.set_service(
+            &a,
+            Some(global(
+                MulticlusterMode::Failover,
+                vec![endpoint("127.0.0.1:1", false)],
+            )),
+        );
+        index.set_service(&b, None);
+        assert_eq!(ports_of(&index, &a), vec![4001]);
+        // ...and to the next tier when the best has nothing ready.
+        index.set_remote("west", Some(remote(1, 4001, 0)));
+        assert_eq!(ports_of(&index, &a), vec![4002]);
+        index.set_remote("north", None);
+        assert!(ports_of(&index, &a).is_empty());
+        // The gateway's view is local only.
+        index.set_service(
+            &a,
+            Some(global(
+                MulticlusterMode::Failover,
+                vec![endpoint("127.0.0.1:1", true)],
+            )),
+        );
+        index.set_remote("west", Some(remote(1, 4001, 3)));
+        let local = index.snapshot(&SlotKey::Global("web-global".into()), 80);
+        assert_eq!(
+            local.endpoints.keys().map(|a| a.port()).collect::<Vec<_>>(),
+            vec![1]
+        );
     }
 
     #[test]
     fn unwatched_slots_are_collected() {
         let index = Index::new(ControlMetrics::default());
         let key = ServiceKey::new("web", "demo");
-        drop(index.subscribe(&key, 80));
+        drop(index.subscribe(&SlotKey::Service(key), 80));
         index.collect_garbage();
         assert!(index.inner.lock().unwrap().slots.is_empty());
     }
