@@ -30,6 +30,10 @@ fn parse_secs(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(v))
 }
 
+fn parse_link(s: &str) -> Result<tether_control::multicluster::links::Link, String> {
+    tether_control::multicluster::links::parse_flag(s).map_err(|e| e.message)
+}
+
 fn parse_upstream(s: &str) -> Result<(SocketAddr, String), String> {
     let (listen, authority) = s
         .split_once('=')
@@ -66,6 +70,24 @@ enum Command {
         /// (also on demand: GET /audit on the admin listener).
         #[arg(long, default_value = "10", value_parser = parse_secs)]
         audit_interval: Duration,
+        /// This cluster's name (multicluster; labels endpoints `cluster`).
+        #[arg(long)]
+        cluster: Option<String>,
+        /// Serve the multicluster export API here (mTLS; needs --identity and --cluster).
+        #[arg(long)]
+        export: Option<SocketAddr>,
+        /// The gateway address the export API advertises.
+        #[arg(long)]
+        gateway_address: Option<String>,
+        /// The gateway identity the export API advertises.
+        #[arg(long)]
+        gateway_identity: Option<String>,
+        /// A linked cluster: name=N,export=HOST:PORT[,gateway=IP:PORT][,priority=P][,trust-root=PATH] (repeatable).
+        #[arg(long, value_parser = parse_link)]
+        link: Vec<tether_control::multicluster::links::Link>,
+        /// A YAML file of links (see the README).
+        #[arg(long)]
+        links: Option<PathBuf>,
     },
     /// Run the sidecar proxy.
     Proxy {
@@ -119,6 +141,33 @@ enum Command {
         /// Stay not-ready until the control plane has answered for AUTHORITY (repeatable).
         #[arg(long)]
         require_discovery: Vec<String>,
+    },
+    /// Run the multicluster gateway: mTLS from other clusters to local global services.
+    Gateway {
+        /// Local control-plane gRPC address(es), comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        control: Vec<String>,
+        /// Where other clusters' proxies connect (mTLS only).
+        #[arg(long, default_value = "0.0.0.0:4180")]
+        listen: SocketAddr,
+        #[arg(long, default_value = "127.0.0.1:4191")]
+        admin: SocketAddr,
+        /// The gateway's identity, e.g. tether-gateway.east.serviceaccount.identity.cluster.local.
+        #[arg(long)]
+        identity: String,
+        #[arg(long)]
+        identity_token_file: PathBuf,
+        #[arg(long)]
+        trust_root: PathBuf,
+        /// Clients must hold identities of this trust domain.
+        #[arg(long, default_value = "cluster.local")]
+        trust_domain: String,
+        #[arg(long, default_value = "3", value_parser = parse_secs)]
+        failfast_timeout: Duration,
+        #[arg(long, default_value = "1", value_parser = parse_secs)]
+        connect_timeout: Duration,
+        #[arg(long, default_value = "10", value_parser = parse_secs)]
+        drain_timeout: Duration,
     },
     /// Run a whole mesh on this machine from a manifest (the built-in demo without one).
     Up {
@@ -269,7 +318,27 @@ async fn main() -> anyhow::Result<()> {
             identity,
             identity_leaf_lifetime,
             audit_interval,
+            cluster,
+            export,
+            gateway_address,
+            gateway_identity,
+            mut link,
+            links,
         } => {
+            if let Some(path) = &links {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                link.extend(tether_control::multicluster::links::parse_file(
+                    &text,
+                    &path.display().to_string(),
+                )?);
+            }
+            if let Some(c) = &cluster {
+                anyhow::ensure!(
+                    tether_core::authority::is_dns_label(c),
+                    "--cluster {c:?} is not a valid cluster name"
+                );
+            }
             anyhow::ensure!(
                 audit_interval >= Duration::from_millis(10),
                 "--audit-interval must be at least 0.01 s"
@@ -286,6 +355,11 @@ async fn main() -> anyhow::Result<()> {
                 identity_dir: identity,
                 leaf_lifetime: identity_leaf_lifetime,
                 audit_interval,
+                cluster,
+                export_addr: export,
+                gateway_address,
+                gateway_identity,
+                links: link,
             };
             tether_control::run(config, shutdown).await?;
         }
@@ -337,6 +411,40 @@ async fn main() -> anyhow::Result<()> {
                 require_discovery,
             };
             tether_proxy::run(config, shutdown).await?;
+        }
+        Command::Gateway {
+            control,
+            listen,
+            admin,
+            identity,
+            identity_token_file,
+            trust_root,
+            trust_domain,
+            failfast_timeout,
+            connect_timeout,
+            drain_timeout,
+        } => {
+            let token = std::fs::read_to_string(&identity_token_file).with_context(|| {
+                format!(
+                    "reading --identity-token-file {}",
+                    identity_token_file.display()
+                )
+            })?;
+            let config = tether_proxy::gateway::GatewayConfig {
+                control,
+                listen,
+                admin,
+                identity: tether_proxy::identity::IdentityConfig {
+                    name: identity,
+                    token: token.trim().to_string(),
+                    trust_root,
+                },
+                trust_domain,
+                failfast_timeout,
+                connect_timeout,
+                drain_timeout,
+            };
+            tether_proxy::gateway::run(config, shutdown).await?;
         }
         Command::Up {
             file,

@@ -14,12 +14,14 @@
 //!   linkerd2-proxy-api client falls back instead of hanging.
 //! - [`metrics`]: the control plane's Prometheus metrics.
 //! - [`diagnostics`]: Tether's own gRPC API for operator tools.
+//! - [`multicluster`]: links to other clusters, and the export API.
 
 pub mod destination;
 pub mod diagnostics;
 pub mod identity;
 pub mod index;
 pub mod metrics;
+pub mod multicluster;
 pub mod policy;
 pub mod registry;
 pub mod server;

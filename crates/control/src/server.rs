@@ -27,6 +27,14 @@ pub struct ControlConfig {
     pub leaf_lifetime: std::time::Duration,
     /// How often every subscription is compared with the index.
     pub audit_interval: std::time::Duration,
+    /// This cluster's name (multicluster).
+    pub cluster: Option<String>,
+    /// Where to serve the export API (mTLS; needs `identity_dir`).
+    pub export_addr: Option<SocketAddr>,
+    /// What the export API advertises about this cluster's gateway.
+    pub gateway_address: Option<String>,
+    pub gateway_identity: Option<String>,
+    pub links: Vec<crate::multicluster::links::Link>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +47,8 @@ pub enum ControlError {
     Identity(#[from] tether_identity::ca::LoadError),
     #[error("identity: reading bootstrap token secret: {0}")]
     TokenSecret(std::io::Error),
+    #[error("multicluster: {0}")]
+    Multicluster(String),
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
 }
@@ -54,14 +64,16 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         .into());
     }
     let identity_metrics = crate::identity::IdentityMetrics::default();
+    let mut issuer_for_links = None;
     let identity = match &config.identity_dir {
         Some(dir) => {
-            let issuer = tether_identity::ca::Issuer::load(dir)?;
+            let issuer = Arc::new(tether_identity::ca::Issuer::load(dir)?);
+            issuer_for_links = Some(issuer.clone());
             let tokens = tether_identity::token::LocalTokens::load(dir)
                 .map_err(ControlError::TokenSecret)?;
             tracing::info!(dir = %dir.display(), "identity: issuing certificates");
             Some(IdentityServer::new(crate::identity::IdentityService {
-                issuer: Arc::new(issuer),
+                issuer,
                 tokens: Arc::new(tokens),
                 leaf_lifetime: config.leaf_lifetime,
                 metrics: identity_metrics.clone(),
@@ -69,7 +81,30 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         }
         None => None,
     };
+    let multicluster = if config.export_addr.is_some() || !config.links.is_empty() {
+        let (Some(dir), Some(issuer)) = (&config.identity_dir, issuer_for_links) else {
+            return Err(ControlError::Multicluster(
+                "--export and --link need --identity (the export API is mTLS)".into(),
+            ));
+        };
+        let Some(cluster) = config.cluster.clone() else {
+            return Err(ControlError::Multicluster(
+                "--export and --link need --cluster NAME".into(),
+            ));
+        };
+        let store = tether_identity::tls::CertStore::new();
+        let me = crate::multicluster::control_identity(&cluster, &config.cluster_domain);
+        crate::multicluster::tls::self_certify(issuer, me, store.clone())
+            .map_err(ControlError::Multicluster)?;
+        Some((dir.clone(), cluster, store))
+    } else {
+        None
+    };
     let grpc = bind("grpc", config.grpc_addr).await?;
+    let export_listener = match config.export_addr {
+        Some(addr) => Some(bind("export", addr).await?),
+        None => None,
+    };
     let admin_listener = bind("admin", config.admin_addr).await?;
 
     let metrics = ControlMetrics::default();
@@ -79,6 +114,9 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     let readiness = Readiness::default();
     readiness.require(LOADED);
     let index = Index::new(metrics.clone());
+    if let Some(cluster) = &config.cluster {
+        index.set_cluster(cluster);
+    }
     let subscriptions = crate::destination::Subscriptions::default();
     let audit: tether_admin::Extra = {
         let (subs, index, metrics) = (subscriptions.clone(), index.clone(), metrics.clone());
@@ -137,6 +175,60 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         config.audit_interval,
         shutdown.clone(),
     ));
+    if let Some((dir, cluster, store)) = multicluster {
+        let own_roots = Arc::new(
+            tether_identity::tls::load_roots(&dir.join(tether_identity::ca::CA_CERT))
+                .map_err(|e| ControlError::Multicluster(e.to_string()))?,
+        );
+        if let Some(listener) = export_listener {
+            let server_config =
+                tether_identity::tls::server_config(store.clone(), own_roots.clone())
+                    .map_err(|e| ControlError::Multicluster(e.to_string()))?;
+            let export = crate::multicluster::export::ExportServer::new(
+                index.clone(),
+                crate::multicluster::export::ExportConfig {
+                    cluster: cluster.clone(),
+                    gateway_address: config.gateway_address.clone().unwrap_or_default(),
+                    gateway_identity: config.gateway_identity.clone().unwrap_or_default(),
+                },
+                shutdown.clone(),
+            );
+            let signal = shutdown.clone();
+            tokio::spawn(async move {
+                let served = tonic::transport::Server::builder()
+                    .add_service(export)
+                    .serve_with_incoming_shutdown(
+                        crate::multicluster::tls::incoming(listener, server_config),
+                        async move { signal.triggered().await },
+                    )
+                    .await;
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "export API stopped");
+                }
+            });
+        }
+        for link in &config.links {
+            let roots = match &link.trust_root {
+                Some(path) => Arc::new(
+                    tether_identity::tls::load_roots(path)
+                        .map_err(|e| ControlError::Multicluster(e.to_string()))?,
+                ),
+                None => own_roots.clone(),
+            };
+            let client_config = tether_identity::tls::client_config(store.clone(), roots)
+                .map_err(|e| ControlError::Multicluster(e.to_string()))?;
+            let expected =
+                crate::multicluster::control_identity(&link.name, &config.cluster_domain);
+            tokio::spawn(crate::multicluster::remote::run(
+                link.clone(),
+                cluster.clone(),
+                expected,
+                client_config,
+                index.clone(),
+                shutdown.clone(),
+            ));
+        }
+    }
     let policy = PolicyService {
         shutdown: shutdown.clone(),
     };

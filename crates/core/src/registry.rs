@@ -227,8 +227,10 @@ pub fn validate(doc: &Document) -> Result<(), String> {
             }
         }
         if let Some(g) = &s.global_id {
-            if g.is_empty() {
-                return Err("field `global_id`: must not be empty".into());
+            if g.is_empty() || !g.split('.').all(is_dns_label) {
+                return Err(format!(
+                    "field `global_id`: {g:?} is not a valid global id (lowercase DNS labels separated by dots)"
+                ));
             }
         }
         for (i, ep) in s.endpoints.iter().enumerate() {

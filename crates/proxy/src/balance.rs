@@ -250,6 +250,7 @@ mod tests {
                 meshed: true,
                 opaque: false,
                 labels: BTreeMap::new(),
+                authority_override: None,
             },
             Connector::plain(Duration::from_secs(1)),
             DEFAULT_RTT.as_nanos() as f64,

@@ -41,6 +41,8 @@ pub struct Endpoint {
     pub meshed: bool,
     pub opaque: bool,
     pub labels: BTreeMap<String, String>,
+    /// The authority to send instead of the request's (a gateway's).
+    pub authority_override: Option<String>,
 }
 
 impl Endpoint {
@@ -67,6 +69,10 @@ impl Endpoint {
             meshed,
             opaque,
             labels: wa.metric_labels.into_iter().collect(),
+            authority_override: wa
+                .authority_override
+                .map(|a| a.authority_override)
+                .filter(|a| !a.is_empty()),
         })
     }
 }

@@ -91,23 +91,14 @@ impl Inbound {
                 let is_tls = prefix.first() == Some(&TLS_HANDSHAKE);
                 let (io, proto, prefix, hop): (BoxedIo, _, _, _) = match (&this.tls, is_tls) {
                     (Some(config), true) => {
-                        let acceptor = tokio_rustls::TlsAcceptor::from(config.clone());
-                        let tls = match acceptor.accept(PrefixedIo::new(prefix, stream)).await {
-                            Ok(tls) => tls,
+                        let (mut tls, client_id) = match crate::tls::terminate(config.clone(), prefix, stream).await {
+                            Ok(t) => t,
                             Err(e) => {
                                 this.metrics.refuse("tls_handshake");
                                 tracing::warn!(%peer, error = %e, "inbound TLS handshake failed");
                                 return;
                             }
                         };
-                        let client_id = tls
-                            .get_ref()
-                            .1
-                            .peer_certificates()
-                            .and_then(|c| c.first())
-                            .and_then(|c| tether_identity::cert::identity_of(c))
-                            .map(Arc::from);
-                        let mut tls = tls;
                         let (proto, prefix) = match detect(&mut tls, DETECT_TIMEOUT).await {
                             Ok(d) => d,
                             Err(e) => {
@@ -115,7 +106,7 @@ impl Inbound {
                                 return;
                             }
                         };
-                        (Box::new(tls), proto, prefix, Hop { tls: true, client_id })
+                        (tls, proto, prefix, Hop { tls: true, client_id })
                     }
                     _ if this.mode == TlsMode::Mandatory => {
                         this.metrics.refuse("plaintext");

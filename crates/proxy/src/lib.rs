@@ -12,6 +12,8 @@
 //! - [`discovery`]: one `Destination.Get` stream per authority, shared by
 //!   every connection that uses it, reconnecting with backoff across
 //!   control-plane replicas, re-subscribing when a stream stalls.
+//! - [`gateway`]: the multicluster gateway — an outbound proxy behind an
+//!   mTLS listener that admits only the mesh's identities and global ids.
 //! - [`failfast`]: how long a service may have no endpoint before its
 //!   requests fail at once.
 //! - [`balance`]: power of two choices over peak-EWMA latency.
@@ -32,6 +34,7 @@ pub mod detect;
 pub mod discovery;
 pub mod errors;
 pub mod failfast;
+pub mod gateway;
 pub mod http;
 pub mod identity;
 pub mod inbound;

@@ -115,3 +115,24 @@ impl Connector {
         }
     }
 }
+
+/// Terminates TLS on an accepted connection whose first bytes (`prefix`)
+/// were already read; returns the stream and the client's verified identity.
+pub async fn terminate(
+    config: Arc<rustls::ServerConfig>,
+    prefix: bytes::Bytes,
+    stream: tokio::net::TcpStream,
+) -> std::io::Result<(BoxedIo, Option<Arc<str>>)> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let tls = acceptor
+        .accept(crate::detect::PrefixedIo::new(prefix, stream))
+        .await?;
+    let client_id = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .and_then(|c| tether_identity::cert::identity_of(c))
+        .map(Arc::from);
+    Ok((Box::new(tls), client_id))
+}

@@ -292,8 +292,14 @@ impl Outbound {
             }
             Err(e) => return Err(e),
         };
-        let version = req.version();
         let (mut parts, body) = req.into_parts();
+        // A request that reached us over HTTP/2 from another proxy (a
+        // gateway's case) may have been HTTP/1 at its origin.
+        let version = if parts.headers.contains_key(ORIG_PROTO) {
+            Version::HTTP_11
+        } else {
+            parts.version
+        };
         strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(ORIG_PROTO);
         let mut request = Some((parts, body.boxed()));
@@ -326,7 +332,12 @@ impl Outbound {
             };
             let (parts, body) = request.take().expect("request is sent once");
             let carry_http1 = ep.endpoint.meshed && version != Version::HTTP_2;
-            let req = rewrite_for_hop(parts, body, authority, proto, carry_http1);
+            let hop_authority = ep
+                .endpoint
+                .authority_override
+                .as_deref()
+                .unwrap_or(authority);
+            let req = rewrite_for_hop(parts, body, hop_authority, proto, carry_http1);
             let sent = Instant::now();
             return match conn.send(req).await {
                 Ok(rsp) => {
