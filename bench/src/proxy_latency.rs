@@ -154,6 +154,7 @@ async fn main() -> anyhow::Result<()> {
                 }],
                 global_id: None,
                 mode: None,
+                retry_budget: None,
                 endpoints: vec![],
             }),
         )?;

@@ -14,4 +14,5 @@ mod multicluster;
 mod outage;
 mod protocols;
 mod registry;
+mod retries;
 mod up;

@@ -59,6 +59,7 @@ impl Scratch {
             ports: vec![PortSpec { port, opaque }],
             global_id: None,
             mode: None,
+            retry_budget: None,
             endpoints: vec![],
         });
         self.write(&format!("{name}.yaml"), &doc.to_yaml());

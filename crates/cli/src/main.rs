@@ -141,6 +141,13 @@ enum Command {
         /// Stay not-ready until the control plane has answered for AUTHORITY (repeatable).
         #[arg(long)]
         require_discovery: Vec<String>,
+        /// Retries allowed as a fraction of requests (over 10 s); a service's
+        /// `retry_budget` in the registry overrides it.
+        #[arg(long, default_value = "0.2")]
+        retry_budget_ratio: f64,
+        /// Retries always allowed per second, whatever the traffic.
+        #[arg(long, default_value = "10")]
+        retry_budget_min_per_second: f64,
     },
     /// Run the multicluster gateway: mTLS from other clusters to local global services.
     Gateway {
@@ -380,7 +387,13 @@ async fn main() -> anyhow::Result<()> {
             control_plane_unavailable,
             max_pending,
             require_discovery,
+            retry_budget_ratio,
+            retry_budget_min_per_second,
         } => {
+            anyhow::ensure!(
+                retry_budget_ratio >= 0.0 && retry_budget_min_per_second >= 0.0,
+                "retry budget settings must not be negative"
+            );
             let identity = match (identity, identity_token_file, trust_root) {
                 (Some(name), Some(token_file), Some(trust_root)) => {
                     let token = std::fs::read_to_string(&token_file).with_context(|| {
@@ -409,6 +422,11 @@ async fn main() -> anyhow::Result<()> {
                 control_plane_unavailable,
                 max_pending,
                 require_discovery,
+                retry_budget: tether_proxy::retry::BudgetSpec {
+                    ratio: retry_budget_ratio,
+                    min_per_second: retry_budget_min_per_second,
+                    ttl: Duration::from_secs(10),
+                },
             };
             tether_proxy::run(config, shutdown).await?;
         }

@@ -433,14 +433,19 @@ impl DestinationService {
                 .index
                 .snapshot(&SlotKey::Service(auth.service.clone()), auth.port)
                 .opaque,
-            retry_budget: Some(RetryBudget {
-                retry_ratio: 0.2,
-                min_retries_per_second: 10,
-                ttl: Some(prost_types::Duration {
-                    seconds: 10,
-                    nanos: 0,
+            // Only a registry override: without it proxies use their own default.
+            retry_budget: self
+                .index
+                .service(&auth.service)
+                .and_then(|s| s.retry_budget)
+                .map(|b| RetryBudget {
+                    retry_ratio: b.ratio,
+                    min_retries_per_second: b.min_per_second,
+                    ttl: Some(prost_types::Duration {
+                        seconds: 10,
+                        nanos: 0,
+                    }),
                 }),
-            }),
             ..Default::default()
         })
     }
@@ -561,6 +566,7 @@ mod tests {
                 }],
                 global_id: None,
                 mode: None,
+                retry_budget: None,
                 endpoints: vec![EndpointSpec {
                     address: "127.0.0.1:1".parse().unwrap(),
                     port: None,

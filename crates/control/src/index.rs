@@ -32,6 +32,7 @@ pub struct ServiceState {
     pub ports: Vec<PortSpec>,
     pub global_id: Option<String>,
     pub mode: Option<MulticlusterMode>,
+    pub retry_budget: Option<tether_core::registry::RetryBudget>,
     pub endpoints: Vec<EndpointSpec>,
 }
 
@@ -489,6 +490,7 @@ mod tests {
             }],
             global_id: None,
             mode: None,
+            retry_budget: None,
             endpoints,
         }
     }

@@ -95,6 +95,7 @@ impl Model {
             }],
             global_id: None,
             mode: None,
+            retry_budget: None,
             endpoints: self
                 .endpoints
                 .get(&s)

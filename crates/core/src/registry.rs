@@ -84,9 +84,24 @@ pub struct ServiceDoc {
     pub global_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<MulticlusterMode>,
+    /// Overrides the proxies' retry budget for this service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_budget: Option<RetryBudget>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub endpoints: Vec<EndpointSpec>,
 }
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryBudget {
+    /// Retries allowed as a fraction of requests.
+    pub ratio: f32,
+    /// Retries always allowed per second.
+    #[serde(default)]
+    pub min_per_second: u32,
+}
+
+impl Eq for RetryBudget {}
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -231,6 +246,11 @@ pub fn validate(doc: &Document) -> Result<(), String> {
                 return Err(format!(
                     "field `global_id`: {g:?} is not a valid global id (lowercase DNS labels separated by dots)"
                 ));
+            }
+        }
+        if let Some(b) = &s.retry_budget {
+            if !(0.0..=10.0).contains(&b.ratio) {
+                return Err("field `retry_budget.ratio`: must be between 0 and 10".into());
             }
         }
         for (i, ep) in s.endpoints.iter().enumerate() {

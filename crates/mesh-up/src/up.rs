@@ -174,6 +174,7 @@ async fn start_and_run(
             }],
             global_id: None,
             mode: None,
+            retry_budget: None,
             endpoints: vec![],
         });
         write_document(

@@ -25,6 +25,7 @@ use linkerd2_proxy_api::destination::{
     WeightedAddr,
 };
 use rand::Rng;
+use tether_admin::Shutdown;
 use tokio::sync::{watch, Notify};
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 
@@ -171,6 +172,65 @@ const INVALID_RETRY: Duration = Duration::from_secs(30);
 impl Discovery {
     pub fn new(controls: Arc<ControlPlanes>, metrics: crate::metrics::ProxyMetrics) -> Self {
         Self { controls, metrics }
+    }
+
+    /// Follows `authority`'s profile and applies its retry budget (the
+    /// registry's per-service override) to `budget`; `default` otherwise.
+    pub fn watch_profile(
+        &self,
+        authority: &str,
+        budget: Arc<crate::retry::RetryBudget>,
+        default: crate::retry::BudgetSpec,
+        stop: Shutdown,
+    ) {
+        let (controls, authority) = (self.controls.clone(), authority.to_string());
+        tokio::spawn(async move {
+            let mut attempt = 0usize;
+            loop {
+                let followed = async {
+                    let (_, channel) = controls.pick(attempt).await?;
+                    let req = GetDestination {
+                        scheme: "k8s".into(),
+                        path: authority.clone(),
+                        ..Default::default()
+                    };
+                    let mut stream = DestinationClient::new(channel)
+                        .get_profile(req)
+                        .await
+                        .map_err(|s| s.message().to_string())?
+                        .into_inner();
+                    while let Some(profile) = stream
+                        .message()
+                        .await
+                        .map_err(|s| s.message().to_string())?
+                    {
+                        let spec = match profile.retry_budget {
+                            Some(b) => crate::retry::BudgetSpec {
+                                ratio: f64::from(b.retry_ratio).clamp(0.0, 10.0),
+                                min_per_second: f64::from(b.min_retries_per_second),
+                                ttl: b
+                                    .ttl
+                                    .and_then(|t| Duration::try_from(t).ok())
+                                    .filter(|t| !t.is_zero())
+                                    .unwrap_or(default.ttl),
+                            },
+                            None => default,
+                        };
+                        budget.set_spec(spec);
+                    }
+                    Ok::<(), String>(())
+                };
+                tokio::select! {
+                    _ = followed => {}
+                    _ = stop.triggered() => return,
+                }
+                attempt += 1;
+                tokio::select! {
+                    _ = tokio::time::sleep(jittered(BACKOFF_MAX)) => {}
+                    _ = stop.triggered() => return,
+                }
+            }
+        });
     }
 
     /// Starts resolving `authority`. The stream lives as long as any

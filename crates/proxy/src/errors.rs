@@ -9,6 +9,8 @@ use http::StatusCode;
 pub enum ProxyError {
     #[error("request names no target: send a Host header or an absolute URI")]
     NoAuthority,
+    #[error("reading the request body failed: {0}")]
+    RequestBody(String),
     #[error("invalid authority {authority:?}: {reason}")]
     InvalidAuthority { authority: String, reason: String },
     #[error("unknown service {0}")]
@@ -30,9 +32,9 @@ pub enum ProxyError {
 impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::NoAuthority | ProxyError::InvalidAuthority { .. } => {
-                StatusCode::BAD_REQUEST
-            }
+            ProxyError::NoAuthority
+            | ProxyError::InvalidAuthority { .. }
+            | ProxyError::RequestBody(_) => StatusCode::BAD_REQUEST,
             ProxyError::UnknownService(_)
             | ProxyError::ControlPlaneUnreachable
             | ProxyError::FailFast
@@ -46,8 +48,10 @@ impl ProxyError {
     /// The gRPC status code for the same condition.
     pub fn grpc_code(&self) -> u32 {
         match self {
-            ProxyError::NoAuthority | ProxyError::InvalidAuthority { .. } => 3, // INVALID_ARGUMENT
-            _ => 14,                                                            // UNAVAILABLE
+            ProxyError::NoAuthority
+            | ProxyError::InvalidAuthority { .. }
+            | ProxyError::RequestBody(_) => 3, // INVALID_ARGUMENT
+            _ => 14, // UNAVAILABLE
         }
     }
 }

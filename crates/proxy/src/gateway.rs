@@ -58,6 +58,7 @@ pub async fn run(config: GatewayConfig, shutdown: Shutdown) -> Result<(), ProxyS
         control_plane_unavailable: crate::outbound::forward::Unavailable::Fail,
         max_pending: 1000,
         require_discovery: vec![],
+        retry_budget: crate::retry::BudgetSpec::default(),
     };
     let controls = crate::discovery::ControlPlanes::new(&config.control)?;
     let mut registry = prometheus_client::registry::Registry::default();

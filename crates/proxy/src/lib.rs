@@ -21,6 +21,8 @@
 //!   connection, or a bounded pool of HTTP/1 connections.
 //! - [`http`]: what both sides do to HTTP messages (hop-by-hop headers,
 //!   protocol upgrade between proxies, error responses).
+//! - [`retry`]: retries of idempotent requests on another endpoint, within
+//!   a budget.
 //! - [`serve`]: accept loops with graceful shutdown.
 //! - [`identity`]: the proxy's certificate: key and CSR made in memory,
 //!   certified by the control plane, renewed before expiry.
@@ -40,6 +42,7 @@ pub mod identity;
 pub mod inbound;
 pub mod metrics;
 pub mod outbound;
+pub mod retry;
 pub mod serve;
 pub mod tls;
 
@@ -75,6 +78,8 @@ pub struct ProxyConfig {
     pub max_pending: usize,
     /// Authorities the control plane must have answered before ready.
     pub require_discovery: Vec<String>,
+    /// The default retry budget (a service's profile may override it).
+    pub retry_budget: retry::BudgetSpec,
 }
 
 #[derive(Debug, thiserror::Error)]

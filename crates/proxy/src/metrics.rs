@@ -75,6 +75,14 @@ pub struct ProxyMetrics {
     pub failfast_transitions: Family<TransitionLabels, Counter>,
     pub discovery_age: Family<AuthorityLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub discovery_reconnects: Family<ReasonLabels, Counter>,
+    pub retries: Family<RetryLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RetryLabels {
+    pub authority: String,
+    /// `retried`, or `budget_exhausted` when a retry was refused.
+    pub outcome: String,
 }
 
 impl Default for ProxyMetrics {
@@ -89,6 +97,7 @@ impl Default for ProxyMetrics {
             failfast_transitions: Family::default(),
             discovery_age: Family::default(),
             discovery_reconnects: Family::default(),
+            retries: Family::default(),
         }
     }
 }
@@ -136,10 +145,24 @@ impl ProxyMetrics {
             self.discovery_age.clone(),
         );
         registry.register(
+            "tether_proxy_retries",
+            "Retries on another endpoint, and retries the budget refused",
+            self.retries.clone(),
+        );
+        registry.register(
             "tether_proxy_discovery_reconnects",
             "Discovery streams re-established, by reason (error, ended, stalled)",
             self.discovery_reconnects.clone(),
         );
+    }
+
+    pub fn retry(&self, authority: &str, outcome: &str) {
+        self.retries
+            .get_or_create(&RetryLabels {
+                authority: authority.into(),
+                outcome: outcome.into(),
+            })
+            .inc();
     }
 
     pub fn discovery_reconnect(&self, reason: &str) {

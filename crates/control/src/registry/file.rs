@@ -246,6 +246,7 @@ impl Loaded {
             ports: svc.ports.clone(),
             global_id: svc.global_id.clone(),
             mode: svc.mode,
+            retry_budget: svc.retry_budget,
             endpoints: docs().flat_map(|d| d.endpoints().iter().cloned()).collect(),
         })
     }

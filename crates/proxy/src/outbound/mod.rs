@@ -53,6 +53,17 @@ pub struct Outbound {
     connector: Arc<Connector>,
     unavailable: Unavailable,
     forwarder: Forwarder,
+    retry_budget: crate::retry::BudgetSpec,
+}
+
+/// A copy of a request's head (extensions are not carried across hops).
+fn clone_parts(parts: &http::request::Parts) -> http::request::Parts {
+    let mut req = Request::new(());
+    *req.method_mut() = parts.method.clone();
+    *req.uri_mut() = parts.uri.clone();
+    *req.version_mut() = parts.version;
+    *req.headers_mut() = parts.headers.clone();
+    req.into_parts().0
 }
 
 /// Adds the default port and lowercases, so `Web.demo` and `web.demo:80`
@@ -83,6 +94,7 @@ impl Outbound {
             connector,
             unavailable: config.control_plane_unavailable,
             forwarder: Forwarder::new(config.connect_timeout),
+            retry_budget: config.retry_budget,
         }
     }
 
@@ -173,6 +185,7 @@ impl Outbound {
                     self.connector.clone(),
                     self.failfast_timeout,
                     self.max_pending,
+                    self.retry_budget,
                     &self.metrics,
                 ))
             })
@@ -302,14 +315,84 @@ impl Outbound {
         };
         strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(ORIG_PROTO);
-        let mut request = Some((parts, body.boxed()));
+        let budget = svc.retry_budget();
+        budget.deposit();
+        // Keep the body of a retryable request, so it can be sent again.
+        let retryable = crate::retry::is_retryable(&parts.method, &parts.headers)
+            && (hyper::body::Body::is_end_stream(&body)
+                || hyper::body::Body::size_hint(&body)
+                    .exact()
+                    .is_some_and(|n| n <= crate::retry::MAX_BODY));
+        let (kept, mut body) = if retryable {
+            let bytes = body
+                .collect()
+                .await
+                .map_err(|e| ProxyError::RequestBody(e.to_string()))?
+                .to_bytes();
+            (Some(bytes), None)
+        } else {
+            (None, Some(body.boxed()))
+        };
         let mut tried = Vec::new();
+        loop {
+            let attempt_body = match (&kept, body.take()) {
+                (Some(bytes), _) => crate::http::full(bytes.clone()),
+                (None, Some(b)) => b,
+                (None, None) => unreachable!("a request that cannot be retried is sent once"),
+            };
+            let attempt = self
+                .attempt(
+                    &svc,
+                    &endpoints,
+                    &mut tried,
+                    clone_parts(&parts),
+                    attempt_body,
+                    authority,
+                    version,
+                )
+                .await;
+            let failed_before_app = match &attempt {
+                Ok((rsp, _)) => {
+                    matches!(rsp.status().as_u16(), 502 | 503)
+                        && rsp.headers().contains_key(crate::http::PROXY_ERROR)
+                }
+                Err(ProxyError::Connect { .. } | ProxyError::Upstream { .. }) => true,
+                Err(_) => false,
+            };
+            let another = endpoints.iter().any(|h| !tried.contains(&h.endpoint.addr));
+            if !failed_before_app || kept.is_none() || !another {
+                return attempt;
+            }
+            if !budget.withdraw() {
+                self.metrics.retry(authority, "budget_exhausted");
+                return attempt;
+            }
+            self.metrics.retry(authority, "retried");
+            tracing::debug!(%authority, "retrying on another endpoint");
+        }
+    }
+
+    /// One try: an endpoint not yet tried (moving on when a connection
+    /// cannot be made; nothing was sent), the request, the response.
+    #[allow(clippy::too_many_arguments)]
+    async fn attempt(
+        &self,
+        svc: &Service,
+        endpoints: &[Arc<EndpointHandle>],
+        tried: &mut Vec<std::net::SocketAddr>,
+        parts: http::request::Parts,
+        body: Body,
+        authority: &str,
+        version: Version,
+    ) -> Result<(Response<Body>, Hop), ProxyError> {
+        let mut request = Some((parts, body));
         let mut last_error = ProxyError::FailFast;
         for _ in 0..CONNECT_ATTEMPTS {
-            let Some(ep) = pick(&endpoints, &tried) else {
+            let Some(ep) = pick(endpoints, tried) else {
                 break;
             };
             let addr = ep.endpoint.addr;
+            tried.push(addr);
             let proto = if ep.endpoint.meshed || version == Version::HTTP_2 {
                 Proto::Http2
             } else {
@@ -321,7 +404,6 @@ impl Outbound {
                 Err(reason) => {
                     tracing::debug!(%addr, %reason, "connect failed; trying another endpoint");
                     ep.mark_failed();
-                    tried.push(addr);
                     last_error = ProxyError::Connect { addr, reason };
                     continue;
                 }

@@ -22,6 +22,7 @@ pub struct Service {
     /// Requests waiting for an endpoint; beyond its permits they fail at once.
     queue: Semaphore,
     stall: Stall,
+    budget: Arc<crate::retry::RetryBudget>,
     /// Ends the discovery stream and the fail-fast watcher with the service.
     stop: Shutdown,
 }
@@ -39,6 +40,7 @@ impl Service {
         connector: Arc<Connector>,
         failfast_timeout: Duration,
         max_pending: usize,
+        retry_budget: crate::retry::BudgetSpec,
         metrics: &ProxyMetrics,
     ) -> Self {
         let stall = Stall::default();
@@ -51,7 +53,10 @@ impl Service {
             metrics.clone(),
             stop.clone(),
         );
+        let budget = Arc::new(crate::retry::RetryBudget::new(retry_budget));
+        discovery.watch_profile(authority, budget.clone(), retry_budget, stop.clone());
         Self {
+            budget,
             authority: authority.into(),
             balancer: Balancer::new(rx, connector),
             last_used: Mutex::new(Instant::now()),
@@ -60,6 +65,10 @@ impl Service {
             stall,
             stop,
         }
+    }
+
+    pub fn retry_budget(&self) -> Arc<crate::retry::RetryBudget> {
+        self.budget.clone()
     }
 
     /// Tells discovery that every endpoint it gave is failing.
