@@ -189,6 +189,12 @@ enum Command {
         /// Print the built-in demo manifest and exit.
         #[arg(long)]
         print_demo: bool,
+        /// Run the built-in multicluster demo (two clusters, failover).
+        #[arg(long, conflicts_with = "file")]
+        multicluster: bool,
+        /// Also print the summary as a JSON line (`summary-json {...}`).
+        #[arg(long)]
+        json: bool,
     },
     /// Compare what control-plane replicas serve, with each other and the registry.
     Diagnostics {
@@ -469,9 +475,16 @@ async fn main() -> anyhow::Result<()> {
             duration,
             interval,
             print_demo,
+            multicluster,
+            json,
         } => {
             if print_demo {
-                print!("{}", tether_mesh_up::manifest::DEMO.trim_start());
+                let demo = if multicluster {
+                    tether_mesh_up::manifest::MULTICLUSTER_DEMO
+                } else {
+                    tether_mesh_up::manifest::DEMO
+                };
+                print!("{}", demo.trim_start());
                 return Ok(());
             }
             let manifest = match &file {
@@ -480,6 +493,7 @@ async fn main() -> anyhow::Result<()> {
                         .with_context(|| format!("reading manifest {}", path.display()))?;
                     tether_mesh_up::manifest::Manifest::parse(&text, &path.display().to_string())?
                 }
+                None if multicluster => tether_mesh_up::manifest::Manifest::multicluster_demo(),
                 None => tether_mesh_up::manifest::Manifest::demo(),
             };
             let config = tether_mesh_up::up::UpConfig {
@@ -487,6 +501,7 @@ async fn main() -> anyhow::Result<()> {
                 manifest,
                 duration,
                 interval,
+                json,
             };
             let outcome = tether_mesh_up::up::run(config, shutdown).await?;
             if duration.is_some() && outcome.report.succeeded == 0 {

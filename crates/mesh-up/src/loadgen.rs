@@ -77,6 +77,9 @@ pub struct LoadReport {
     pub elapsed: Duration,
     pub errors: BTreeMap<String, u64>,
     pub replicas: BTreeMap<String, u64>,
+    /// When (since the run started, by intended send time) the first and
+    /// the last failed request were sent.
+    pub failures_between: Option<(Duration, Duration)>,
 }
 
 impl Default for LoadReport {
@@ -90,6 +93,7 @@ impl Default for LoadReport {
             elapsed: Duration::ZERO,
             errors: BTreeMap::new(),
             replicas: BTreeMap::new(),
+            failures_between: None,
         }
     }
 }
@@ -126,6 +130,10 @@ impl LoadReport {
         for (k, v) in &other.replicas {
             *self.replicas.entry(k.clone()).or_default() += v;
         }
+        self.failures_between = match (self.failures_between, other.failures_between) {
+            (Some((a, b)), Some((c, d))) => Some((a.min(c), b.max(d))),
+            (x, None) | (None, x) => x,
+        };
     }
 
     pub fn to_json(&self) -> serde_json::Value {
@@ -144,10 +152,18 @@ impl LoadReport {
             "elapsed_s": self.elapsed.as_secs_f64(),
             "errors": self.errors,
             "replicas": self.replicas,
+            "first_failure_s": self.failures_between.map(|(a, _)| a.as_secs_f64()),
+            "last_failure_s": self.failures_between.map(|(_, b)| b.as_secs_f64()),
         })
     }
 
-    fn record(&mut self, outcome: Result<String, String>, latency: Duration, service: Duration) {
+    fn record(
+        &mut self,
+        outcome: Result<String, String>,
+        latency: Duration,
+        service: Duration,
+        sent_at: Duration,
+    ) {
         self.sent += 1;
         let _ = self.latency.record(latency.as_micros().max(1) as u64);
         let _ = self.service.record(service.as_micros().max(1) as u64);
@@ -159,6 +175,10 @@ impl LoadReport {
             Err(e) => {
                 self.failed += 1;
                 *self.errors.entry(e).or_default() += 1;
+                self.failures_between = Some(match self.failures_between {
+                    Some((first, last)) => (first.min(sent_at), last.max(sent_at)),
+                    None => (sent_at, sent_at),
+                });
             }
         }
     }
@@ -281,10 +301,13 @@ pub async fn run(spec: LoadSpec, stop: Shutdown) -> anyhow::Result<LoadReport> {
                 tokio::spawn(async move {
                     let sent = Instant::now();
                     let outcome = caller.call().await;
-                    report
-                        .lock()
-                        .unwrap()
-                        .record(outcome, intended.elapsed(), sent.elapsed());
+                    let sent_at = intended.duration_since(start);
+                    report.lock().unwrap().record(
+                        outcome,
+                        intended.elapsed(),
+                        sent.elapsed(),
+                        sent_at,
+                    );
                     drop(permit);
                 });
                 i += 1;
@@ -299,7 +322,10 @@ pub async fn run(spec: LoadSpec, stop: Shutdown) -> anyhow::Result<LoadReport> {
                         let t = Instant::now();
                         let outcome = caller.call().await;
                         let took = t.elapsed();
-                        report.lock().unwrap().record(outcome, took, took);
+                        report
+                            .lock()
+                            .unwrap()
+                            .record(outcome, took, took, t.duration_since(start));
                     }
                 }));
             }

@@ -84,6 +84,11 @@ impl Process {
         self.child.id()
     }
 
+    /// SIGKILL at once: a crash.
+    pub async fn kill(&mut self) {
+        let _ = self.child.kill().await;
+    }
+
     /// SIGTERM, then SIGKILL if it has not exited within `grace`.
     pub async fn stop(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
         if let Some(pid) = self.child.id() {

@@ -1,13 +1,17 @@
 //! The orchestrator behind `tether up`.
 //!
-//! It starts, in order: the control plane over a fresh registry directory;
-//! for every replica, a demo app and its sidecar proxy, then the registry
-//! document that makes the replica an endpoint; a client sidecar for the
-//! load generator. Then it runs the load, prints live per-service traffic
-//! read from the proxies' metrics, and on Ctrl-C (or after `--duration`)
-//! stops the load, prints a summary, removes each replica from the registry
-//! and stops every process.
+//! For each cluster of the manifest (one, unnamed, for a plain manifest) it
+//! starts, in order: the control plane over a fresh registry directory
+//! (with its export API and links when there are several clusters); the
+//! gateway (multicluster); for every replica, a demo app and its sidecar,
+//! then the registry document that makes the replica an endpoint; and a
+//! client sidecar for the load generator. Then it runs the load, prints
+//! live traffic read from every proxy's metrics, carries out kill/revive
+//! events (scripted in the manifest, or typed on stdin), and on Ctrl-C or
+//! after `--duration` stops the load, prints a summary, withdraws every
+//! endpoint and stops every process.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -15,9 +19,10 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tether_admin::Shutdown;
 use tether_core::registry::{Document, EndpointSpec, EndpointsDoc, PortSpec, ServiceDoc};
+use tokio::io::AsyncBufReadExt;
 
 use crate::loadgen::{self, LoadReport, LoadSpec};
-use crate::manifest::Manifest;
+use crate::manifest::{ClusterSpec, Manifest};
 use crate::process::Process;
 use crate::stats;
 
@@ -29,11 +34,20 @@ pub struct UpConfig {
     pub duration: Option<Duration>,
     /// How often to print live traffic.
     pub interval: Duration,
+    /// Print the summary as one JSON line too (for scripts and benchmarks).
+    pub json: bool,
 }
 
 /// The outcome of a run: the load generator's totals.
 pub struct UpOutcome {
     pub report: LoadReport,
+}
+
+/// Writes a registry document the safe way: a temporary file, then rename.
+pub fn write_document(dir: &Path, file: &str, doc: &Document) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{file}.tmp"));
+    std::fs::write(&tmp, doc.to_yaml())?;
+    std::fs::rename(tmp, dir.join(file))
 }
 
 /// The mesh's trust root and issuer, and the tokens handed to workloads.
@@ -57,8 +71,8 @@ impl Identity {
         })
     }
 
-    /// The proxy flags for one workload, writing its token file.
-    fn proxy_args(&self, identity: &str) -> anyhow::Result<Vec<String>> {
+    /// The flags giving a workload `identity`, writing its token file.
+    fn args(&self, identity: &str) -> anyhow::Result<Vec<String>> {
         let token_file = self.tokens_dir.join(format!("{identity}.token"));
         std::fs::write(&token_file, self.tokens.issue(identity))?;
         use std::os::unix::fs::PermissionsExt;
@@ -70,8 +84,6 @@ impl Identity {
             token_file.display().to_string(),
             "--trust-root".into(),
             self.dir.join("ca.crt").display().to_string(),
-            "--tls".into(),
-            "mandatory".into(),
         ])
     }
 }
@@ -99,72 +111,212 @@ async fn wait_ready(admins: &[SocketAddr]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes a registry document the safe way: a temporary file, then rename.
-pub fn write_document(dir: &Path, file: &str, doc: &Document) -> std::io::Result<()> {
-    let tmp = dir.join(format!(".{file}.tmp"));
-    std::fs::write(&tmp, doc.to_yaml())?;
-    std::fs::rename(tmp, dir.join(file))
+/// A port the OS says is free now, for addresses other processes must know
+/// before the owner starts (export APIs and gateways of linked clusters).
+fn reserve_port() -> anyhow::Result<SocketAddr> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
+struct Replica {
+    name: String,
+    service: String,
+    namespace: String,
+    identity: Option<String>,
+    app_args: Vec<String>,
+    app_addr: SocketAddr,
+    app: Option<Process>,
+    sidecar_args: Vec<String>,
+    sidecar: Option<Process>,
+    inbound: SocketAddr,
+    endpoint_file: String,
+}
+
+impl Replica {
+    fn document(&self, ready: bool) -> Document {
+        Document::Endpoints(EndpointsDoc {
+            service: self.service.clone(),
+            namespace: self.namespace.clone(),
+            endpoints: vec![EndpointSpec {
+                address: self.inbound,
+                port: None,
+                ready,
+                identity: self.identity.clone(),
+                zone: None,
+                weight: 1,
+                meshed: true,
+                name: Some(self.name.clone()),
+            }],
+        })
+    }
+}
+
+struct Cluster {
+    name: String,
+    registry: PathBuf,
+    replicas: Vec<Replica>,
+    client_outbound: SocketAddr,
+}
+
+/// Everything running, so it can all be stopped.
 struct Mesh {
     processes: Vec<Process>,
-    registry: PathBuf,
-    endpoint_files: Vec<PathBuf>,
+    clusters: Vec<Cluster>,
+    admins: Vec<SocketAddr>,
+    table: Vec<String>,
 }
 
 impl Mesh {
     async fn stop(&mut self) {
         // Withdraw endpoints first, so nothing is routed to a stopping replica.
-        for f in &self.endpoint_files {
-            let _ = std::fs::remove_file(f);
+        for c in &self.clusters {
+            for r in &c.replicas {
+                let _ = std::fs::remove_file(c.registry.join(&r.endpoint_file));
+            }
         }
-        let stops = self
-            .processes
-            .iter_mut()
-            .rev()
-            .map(|p| p.stop(Duration::from_secs(5)));
+        let mut stops = Vec::new();
+        for c in &mut self.clusters {
+            for r in &mut c.replicas {
+                for p in [r.app.as_mut(), r.sidecar.as_mut()].into_iter().flatten() {
+                    stops.push(p.stop(Duration::from_secs(5)));
+                }
+            }
+        }
+        for p in self.processes.iter_mut().rev() {
+            stops.push(p.stop(Duration::from_secs(5)));
+        }
         futures::future::join_all(stops).await;
+    }
+
+    /// Marks a cluster's replicas not ready, then stops their apps.
+    async fn kill(&mut self, cluster: &str) -> anyhow::Result<()> {
+        let c = self.cluster_mut(cluster)?;
+        for r in &c.replicas {
+            write_document(&c.registry, &r.endpoint_file, &r.document(false))?;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        for r in &mut c.replicas {
+            if let Some(mut app) = r.app.take() {
+                app.stop(Duration::from_secs(5)).await;
+            }
+        }
+        println!("\n>>> killed every replica of cluster {cluster}");
+        Ok(())
+    }
+
+    /// Kills a cluster's apps and sidecars at once; the registry learns
+    /// after `detect_after`.
+    async fn crash(&mut self, cluster: &str, detect_after: Duration) -> anyhow::Result<()> {
+        let c = self.cluster_mut(cluster)?;
+        for r in &mut c.replicas {
+            for p in [r.app.as_mut(), r.sidecar.as_mut()].into_iter().flatten() {
+                p.kill().await;
+            }
+            r.app = None;
+            r.sidecar = None;
+        }
+        println!("\n>>> crashed every replica of cluster {cluster} (the registry learns in {detect_after:?})");
+        let (registry, docs): (PathBuf, Vec<(String, Document)>) = (
+            c.registry.clone(),
+            c.replicas
+                .iter()
+                .map(|r| (r.endpoint_file.clone(), r.document(false)))
+                .collect(),
+        );
+        tokio::spawn(async move {
+            tokio::time::sleep(detect_after).await;
+            for (file, doc) in docs {
+                let _ = write_document(&registry, &file, &doc);
+            }
+        });
+        Ok(())
+    }
+
+    /// Restarts a cluster's apps (and sidecars) on their old addresses, then
+    /// marks them ready.
+    async fn revive(&mut self, cluster: &str, exe: &Path, logs: &Path) -> anyhow::Result<()> {
+        let c = self.cluster_mut(cluster)?;
+        for r in &mut c.replicas {
+            if r.sidecar.is_none() {
+                let mut args = r.sidecar_args.clone();
+                if let Some(i) = args.iter().position(|a| a == "--inbound") {
+                    args[i + 1] = r.inbound.to_string();
+                }
+                let log = logs.join(format!("{}-proxy.revived.log", r.name));
+                let name = format!("{}-proxy", r.name);
+                r.sidecar =
+                    Some(Process::spawn(exe, &name, &args, &log, &["inbound", "admin"]).await?);
+            }
+            if r.app.is_none() {
+                let mut args = r.app_args.clone();
+                if let Some(i) = args.iter().position(|a| a == "--listen") {
+                    args[i + 1] = r.app_addr.to_string();
+                }
+                let log = logs.join(format!("{}.revived.log", r.name));
+                r.app = Some(Process::spawn(exe, &r.name, &args, &log, &["http"]).await?);
+            }
+            write_document(&c.registry, &r.endpoint_file, &r.document(true))?;
+        }
+        println!("\n>>> revived every replica of cluster {cluster}");
+        Ok(())
+    }
+
+    fn cluster_mut(&mut self, name: &str) -> anyhow::Result<&mut Cluster> {
+        self.clusters
+            .iter_mut()
+            .find(|c| c.name == name)
+            .with_context(|| format!("no cluster named {name:?}"))
     }
 }
 
 pub async fn run(config: UpConfig, stop: Shutdown) -> anyhow::Result<UpOutcome> {
     let run_dir = std::env::temp_dir().join(format!("tether-up-{}", std::process::id()));
-    let registry = run_dir.join("registry");
     let logs = run_dir.join("logs");
-    std::fs::create_dir_all(&registry)
-        .with_context(|| format!("creating {}", registry.display()))?;
-    std::fs::create_dir_all(&logs)?;
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let mut mesh = Mesh {
         processes: Vec::new(),
-        registry: registry.clone(),
-        endpoint_files: Vec::new(),
+        clusters: Vec::new(),
+        admins: Vec::new(),
+        table: Vec::new(),
     };
-    let result = start_and_run(&config, &mut mesh, &logs, stop).await;
+    let result = start_and_run(&config, &mut mesh, &run_dir, &logs, stop).await;
     mesh.stop().await;
     let _ = std::fs::remove_dir_all(&run_dir);
     result
 }
 
-async fn start_and_run(
-    config: &UpConfig,
-    mesh: &mut Mesh,
-    logs: &Path,
-    stop: Shutdown,
-) -> anyhow::Result<UpOutcome> {
-    let m = &config.manifest;
-    let exe = &config.exe;
-    let any = "127.0.0.1:0".to_string();
-    let log = |name: &str| logs.join(format!("{name}.log"));
-    let identity = if m.identity {
-        Some(Identity::create(
-            logs.parent().expect("run dir"),
-            &m.cluster_domain,
-        )?)
-    } else {
-        None
-    };
+/// Addresses fixed before the clusters start: (export API, gateway).
+type Reserved = HashMap<String, (SocketAddr, SocketAddr)>;
 
-    for s in &m.services {
+struct Ctx<'a> {
+    config: &'a UpConfig,
+    logs: &'a Path,
+    run_dir: &'a Path,
+    identity: Option<Identity>,
+    reserved: Reserved,
+}
+
+impl Ctx<'_> {
+    fn log(&self, name: &str) -> PathBuf {
+        self.logs.join(format!("{name}.log"))
+    }
+
+    async fn spawn(&self, name: &str, args: &[String], expect: &[&str]) -> anyhow::Result<Process> {
+        Process::spawn(&self.config.exe, name, args, &self.log(name), expect).await
+    }
+}
+
+async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> anyhow::Result<()> {
+    let m = &ctx.config.manifest;
+    let any = "127.0.0.1:0".to_string();
+    let multicluster = !spec.name.is_empty();
+    let prefix = if multicluster {
+        format!("{}-", spec.name)
+    } else {
+        String::new()
+    };
+    let registry = ctx.run_dir.join(format!("{prefix}registry"));
+    std::fs::create_dir_all(&registry)?;
+    for s in &spec.services {
         let doc = Document::Service(ServiceDoc {
             name: s.name.clone(),
             namespace: s.namespace(m).to_string(),
@@ -172,22 +324,22 @@ async fn start_and_run(
                 port: s.port,
                 opaque: false,
             }],
-            global_id: None,
-            mode: None,
+            global_id: s.global_id.clone(),
+            mode: s.mode,
             retry_budget: None,
             endpoints: vec![],
         });
         write_document(
-            &mesh.registry,
+            &registry,
             &format!("{}.{}.service.yaml", s.name, s.namespace(m)),
             &doc,
         )?;
     }
 
-    let control_args = vec![
-        "control".to_string(),
+    let mut control_args: Vec<String> = vec![
+        "control".into(),
         "--registry".into(),
-        mesh.registry.display().to_string(),
+        registry.display().to_string(),
         "--grpc".into(),
         any.clone(),
         "--admin".into(),
@@ -195,25 +347,86 @@ async fn start_and_run(
         "--cluster-domain".into(),
         m.cluster_domain.clone(),
     ];
-    let mut control_args = control_args;
-    if let Some(id) = &identity {
-        control_args.extend(["--identity".to_string(), id.dir.display().to_string()]);
+    if let Some(id) = &ctx.identity {
+        control_args.extend(["--identity".into(), id.dir.display().to_string()]);
     }
-    let control = Process::spawn(
-        exe,
-        "control",
-        &control_args,
-        &log("control"),
-        &["grpc", "admin"],
-    )
-    .await?;
+    let gateway_identity =
+        tether_identity::identity_name("tether-gateway", &spec.name, &m.cluster_domain);
+    if multicluster {
+        let (export, gateway) = ctx.reserved[&spec.name];
+        control_args.extend([
+            "--cluster".into(),
+            spec.name.clone(),
+            "--export".into(),
+            export.to_string(),
+            "--gateway-address".into(),
+            gateway.to_string(),
+            "--gateway-identity".into(),
+            gateway_identity.clone(),
+        ]);
+        for link in &spec.links {
+            let (export, gateway) = ctx.reserved[&link.cluster];
+            control_args.extend([
+                "--link".into(),
+                format!(
+                    "name={},export={export},gateway={gateway},priority={}",
+                    link.cluster, link.priority
+                ),
+            ]);
+        }
+    }
+    let mut expect = vec!["grpc", "admin"];
+    if multicluster {
+        expect.push("export");
+    }
+    let control = ctx
+        .spawn(&format!("{prefix}control"), &control_args, &expect)
+        .await?;
     let control_addr = control.addr("grpc");
-    let control_admin = control.addr("admin");
+    let where_ = if multicluster {
+        format!("cluster {}", spec.name)
+    } else {
+        "control plane".into()
+    };
+    mesh.table.push(format!(
+        "{where_}: grpc {control_addr}, admin http://{}/metrics, registry {}",
+        control.addr("admin"),
+        registry.display()
+    ));
     mesh.processes.push(control);
 
-    let proxy_args = |app: Option<SocketAddr>, name: &str| -> anyhow::Result<Vec<String>> {
-        let mut a = vec![
-            "proxy".to_string(),
+    if multicluster {
+        let id = ctx
+            .identity
+            .as_ref()
+            .context("multicluster needs identity")?;
+        let mut args: Vec<String> = vec![
+            "gateway".into(),
+            "--control".into(),
+            control_addr.to_string(),
+            "--listen".into(),
+            ctx.reserved[&spec.name].1.to_string(),
+            "--admin".into(),
+            any.clone(),
+            "--trust-domain".into(),
+            m.cluster_domain.clone(),
+        ];
+        args.extend(id.args(&gateway_identity)?);
+        let gateway = ctx
+            .spawn(&format!("{prefix}gateway"), &args, &["gateway", "admin"])
+            .await?;
+        mesh.table.push(format!(
+            "  gateway {} (admin http://{}/metrics)",
+            gateway.addr("gateway"),
+            gateway.addr("admin")
+        ));
+        mesh.admins.push(gateway.addr("admin"));
+        mesh.processes.push(gateway);
+    }
+
+    let proxy_args = |app: Option<SocketAddr>, identity: &str| -> anyhow::Result<Vec<String>> {
+        let mut a: Vec<String> = vec![
+            "proxy".into(),
             "--control".into(),
             control_addr.to_string(),
             "--outbound".into(),
@@ -226,21 +439,29 @@ async fn start_and_run(
         if let Some(app) = app {
             a.extend(["--app".to_string(), app.to_string()]);
         }
-        if let Some(id) = &identity {
-            a.extend(id.proxy_args(name)?);
+        if let Some(id) = &ctx.identity {
+            a.extend(id.args(identity)?);
+            a.extend(["--tls".to_string(), "mandatory".to_string()]);
+        }
+        if !m.retries {
+            a.extend(
+                [
+                    "--retry-budget-ratio",
+                    "0",
+                    "--retry-budget-min-per-second",
+                    "0",
+                ]
+                .map(String::from),
+            );
         }
         Ok(a)
     };
 
-    let mut table = vec![format!(
-        "{:<24} {:<22} {:<22} {:<22}",
-        "WORKLOAD", "APP", "PROXY INBOUND", "PROXY ADMIN"
-    )];
-    let mut admins = Vec::new();
-    for s in &m.services {
+    let mut replicas = Vec::new();
+    for s in &spec.services {
         let ns = s.namespace(m);
         for i in 0..s.replicas {
-            let replica = format!("{}-{}", s.name, i);
+            let replica = format!("{prefix}{}-{i}", s.name);
             let app_args = vec![
                 "demo-app".to_string(),
                 "--listen".into(),
@@ -254,82 +475,143 @@ async fn start_and_run(
                 "--error-rate".into(),
                 s.error_rate.to_string(),
             ];
-            let app = Process::spawn(exe, &replica, &app_args, &log(&replica), &["http"]).await?;
+            let app = ctx.spawn(&replica, &app_args, &["http"]).await?;
             let app_addr = app.addr("http");
-            mesh.processes.push(app);
-            let proxy_name = format!("{replica}-proxy");
             let id_name = tether_identity::identity_name(&s.name, ns, &m.cluster_domain);
-            let proxy = Process::spawn(
-                exe,
-                &proxy_name,
-                &proxy_args(Some(app_addr), &id_name)?,
-                &log(&proxy_name),
-                &["outbound", "inbound", "admin"],
-            )
-            .await?;
+            let sidecar_args = proxy_args(Some(app_addr), &id_name)?;
+            let proxy = ctx
+                .spawn(
+                    &format!("{replica}-proxy"),
+                    &sidecar_args,
+                    &["outbound", "inbound", "admin"],
+                )
+                .await?;
             let inbound = proxy.addr("inbound");
-            admins.push(proxy.addr("admin"));
-            table.push(format!(
-                "{:<24} {:<22} {:<22} {:<22}",
+            mesh.admins.push(proxy.addr("admin"));
+            mesh.table.push(format!(
+                "  {:<30} app {:<21} proxy inbound {:<21} admin http://{}/metrics",
                 format!("{ns}/{replica}"),
                 app_addr.to_string(),
                 inbound.to_string(),
-                format!("http://{}/metrics", proxy.addr("admin"))
+                proxy.addr("admin")
             ));
-            mesh.processes.push(proxy);
-            let file = format!("{replica}.{ns}.endpoints.yaml");
-            let doc = Document::Endpoints(EndpointsDoc {
+            let r = Replica {
+                sidecar_args,
+                sidecar: Some(proxy),
+                name: replica.clone(),
                 service: s.name.clone(),
                 namespace: ns.to_string(),
-                endpoints: vec![EndpointSpec {
-                    address: inbound,
-                    port: None,
-                    ready: true,
-                    identity: identity.as_ref().map(|_| id_name.clone()),
-                    zone: None,
-                    weight: 1,
-                    meshed: true,
-                    name: Some(replica.clone()),
-                }],
-            });
-            write_document(&mesh.registry, &file, &doc)?;
-            mesh.endpoint_files.push(mesh.registry.join(file));
+                identity: ctx.identity.as_ref().map(|_| id_name.clone()),
+                app_args,
+                app_addr,
+                app: Some(app),
+                inbound,
+                endpoint_file: format!("{replica}.{ns}.endpoints.yaml"),
+            };
+            write_document(&registry, &r.endpoint_file, &r.document(true))?;
+            replicas.push(r);
         }
     }
     let client_id = tether_identity::identity_name("loadgen", &m.namespace, &m.cluster_domain);
-    let client = Process::spawn(
-        exe,
-        "loadgen-proxy",
-        &proxy_args(None, &client_id)?,
-        &log("loadgen-proxy"),
-        &["outbound", "admin"],
-    )
-    .await?;
-    let client_outbound = client.addr("outbound");
-    admins.push(client.addr("admin"));
-    table.push(format!(
-        "{:<24} {:<22} {:<22} {:<22}",
+    let client = ctx
+        .spawn(
+            &format!("{prefix}loadgen-proxy"),
+            &proxy_args(None, &client_id)?,
+            &["outbound", "admin"],
+        )
+        .await?;
+    mesh.table.push(format!(
+        "  {:<30} outbound {} admin http://{}/metrics",
         "loadgen",
-        "-",
-        format!("outbound {client_outbound}"),
-        format!("http://{}/metrics", client.addr("admin"))
+        client.addr("outbound"),
+        client.addr("admin")
     ));
+    mesh.admins.push(client.addr("admin"));
+    let client_outbound = client.addr("outbound");
     mesh.processes.push(client);
+    mesh.clusters.push(Cluster {
+        name: spec.name.clone(),
+        registry,
+        replicas,
+        client_outbound,
+    });
+    Ok(())
+}
 
-    wait_ready(&admins).await?;
+enum Command {
+    Kill(String),
+    Revive(String),
+}
+
+/// Reads `kill CLUSTER` / `revive CLUSTER` lines from stdin.
+fn stdin_commands() -> tokio::sync::mpsc::Receiver<Command> {
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(async move {
+        let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            let mut words = line.split_whitespace();
+            let cmd = match (words.next(), words.next()) {
+                (Some("kill"), Some(c)) => Command::Kill(c.to_string()),
+                (Some("revive"), Some(c)) => Command::Revive(c.to_string()),
+                (None, _) => continue,
+                _ => {
+                    println!(">>> commands: `kill CLUSTER`, `revive CLUSTER`");
+                    continue;
+                }
+            };
+            if tx.send(cmd).await.is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+async fn start_and_run(
+    config: &UpConfig,
+    mesh: &mut Mesh,
+    run_dir: &Path,
+    logs: &Path,
+    stop: Shutdown,
+) -> anyhow::Result<UpOutcome> {
+    let m = &config.manifest;
+    let specs = m.cluster_specs();
+    let mut reserved = Reserved::new();
+    for s in specs.iter().filter(|s| !s.name.is_empty()) {
+        reserved.insert(s.name.clone(), (reserve_port()?, reserve_port()?));
+    }
+    let identity = if m.identity {
+        Some(Identity::create(run_dir, &m.cluster_domain)?)
+    } else {
+        None
+    };
+    let ctx = Ctx {
+        config,
+        logs,
+        run_dir,
+        identity,
+        reserved,
+    };
+    for spec in &specs {
+        start_cluster(&ctx, spec, mesh).await?;
+    }
+    wait_ready(&mesh.admins).await?;
+
     println!("tether up: mesh running");
-    match &identity {
+    match &ctx.identity {
         Some(id) => println!(
-            "  identity:      mTLS between every pair of proxies (--tls mandatory), trust root {}",
+            "  identity: mTLS between every pair of proxies (--tls mandatory), trust root {}",
             id.dir.join("ca.crt").display()
         ),
-        None => println!("  identity:      off (plaintext between proxies)"),
+        None => println!("  identity: off (plaintext between proxies)"),
     }
-    println!("  control plane: grpc {control_addr}, admin http://{control_admin}/metrics");
-    println!("  registry:      {}", mesh.registry.display());
-    println!("  logs:          {}", logs.display());
-    for line in &table {
+    println!("  logs:     {}", logs.display());
+    for line in &mesh.table {
         println!("  {line}");
+    }
+    let multicluster = !m.clusters.is_empty();
+    if multicluster {
+        println!("  type `kill CLUSTER` or `revive CLUSTER` and Enter to kill or revive a cluster's replicas");
     }
     match config.duration {
         Some(d) => println!("running load for {}s (headless)", d.as_secs_f64()),
@@ -341,13 +623,22 @@ async fn start_and_run(
         .unwrap_or(Duration::from_secs(365 * 24 * 3600));
     let mut loads = Vec::new();
     for l in &m.load {
-        let svc = m
+        let cluster = mesh
+            .clusters
+            .iter()
+            .find(|c| c.name == l.cluster.clone().unwrap_or_default())
+            .expect("validated");
+        let spec = specs
+            .iter()
+            .find(|s| s.name == cluster.name)
+            .expect("validated");
+        let svc = spec
             .services
             .iter()
             .find(|s| s.name == l.service)
             .expect("validated");
-        let spec = LoadSpec {
-            connect: client_outbound,
+        let load = LoadSpec {
+            connect: cluster.client_outbound,
             authority: format!(
                 "{}.{}.svc.{}:{}",
                 svc.name,
@@ -361,24 +652,52 @@ async fn start_and_run(
             duration,
             concurrency: 256,
         };
-        loads.push(tokio::spawn(loadgen::run(spec, stop.clone())));
+        loads.push(tokio::spawn(loadgen::run(load, stop.clone())));
     }
 
-    // Live view until the load ends.
+    let mut commands = stdin_commands();
+    let mut events: Vec<_> = m.events.clone();
+    events.sort_by(|a, b| a.at.total_cmp(&b.at));
+    let mut events = events.into_iter().peekable();
     let started = Instant::now();
-    let mut before = stats::scrape(&admins).await;
+    let mut before = stats::scrape(&mesh.admins).await;
     let mut at = Instant::now();
     let mut tick = tokio::time::interval(config.interval);
     tick.tick().await;
     while !loads.iter().all(|l| l.is_finished()) {
+        let due = events
+            .peek()
+            .is_some_and(|e| started.elapsed().as_secs_f64() >= e.at);
+        if due {
+            let e = events.next().expect("peeked");
+            match (&e.kill, &e.crash, &e.revive) {
+                (Some(c), _, _) => mesh.kill(c).await?,
+                (_, Some(c), _) => {
+                    mesh.crash(c, Duration::from_secs_f64(e.detect_after))
+                        .await?
+                }
+                (_, _, Some(c)) => mesh.revive(c, &config.exe, logs).await?,
+                _ => {}
+            }
+            continue;
+        }
         tokio::select! {
             _ = tick.tick() => {
-                let after = stats::scrape(&admins).await;
+                let after = stats::scrape(&mesh.admins).await;
                 let now = Instant::now();
                 println!("\n[{:>5.0}s] live traffic (from proxy metrics)", started.elapsed().as_secs_f64());
                 print!("{}", stats::render(&stats::rows(&before, &after, now - at)));
                 before = after;
                 at = now;
+            }
+            Some(cmd) = commands.recv() => {
+                let done = match cmd {
+                    Command::Kill(c) => mesh.kill(&c).await,
+                    Command::Revive(c) => mesh.revive(&c, &config.exe, logs).await,
+                };
+                if let Err(e) = done {
+                    println!(">>> {e}");
+                }
             }
             _ = tokio::time::sleep(Duration::from_millis(100)) => {}
         }
@@ -411,5 +730,8 @@ async fn start_and_run(
         total.quantile_ms(0.5),
         total.quantile_ms(0.99)
     );
+    if config.json {
+        println!("summary-json {}", total.to_json());
+    }
     Ok(UpOutcome { report: total })
 }

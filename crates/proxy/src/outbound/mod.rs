@@ -288,7 +288,7 @@ impl Outbound {
         absolute: bool,
     ) -> Result<(Response<Body>, Hop), ProxyError> {
         let svc = self.service(authority);
-        let endpoints = match svc.ready_endpoints(self.failfast_timeout).await {
+        let mut endpoints = match svc.ready_endpoints(self.failfast_timeout).await {
             Ok(eps) => eps,
             Err(e @ (ProxyError::ControlPlaneUnreachable | ProxyError::UnknownService(_)))
                 if self.unavailable == Unavailable::Forward =>
@@ -359,9 +359,16 @@ impl Outbound {
                 Err(ProxyError::Connect { .. } | ProxyError::Upstream { .. }) => true,
                 Err(_) => false,
             };
-            let another = endpoints.iter().any(|h| !tried.contains(&h.endpoint.addr));
-            if !failed_before_app || kept.is_none() || !another {
+            if !failed_before_app || kept.is_none() {
                 return attempt;
+            }
+            if !endpoints.iter().any(|h| !tried.contains(&h.endpoint.addr)) {
+                // Every endpoint failed: wait (bounded) for discovery to
+                // offer others — e.g. another cluster taking over.
+                match self.new_endpoints(&svc, &tried).await {
+                    Some(eps) => endpoints = eps,
+                    None => return attempt,
+                }
             }
             if !budget.withdraw() {
                 self.metrics.retry(authority, "budget_exhausted");
@@ -369,6 +376,27 @@ impl Outbound {
             }
             self.metrics.retry(authority, "retried");
             tracing::debug!(%authority, "retrying on another endpoint");
+        }
+    }
+
+    /// Waits at most the fail-fast timeout for the service to have an
+    /// endpoint not in `tried`.
+    async fn new_endpoints(
+        &self,
+        svc: &Service,
+        tried: &[std::net::SocketAddr],
+    ) -> Option<Vec<Arc<EndpointHandle>>> {
+        let deadline = tokio::time::Instant::now() + self.failfast_timeout;
+        let mut rx = svc.balancer.watch();
+        loop {
+            let endpoints = svc.balancer.endpoints();
+            if endpoints.iter().any(|h| !tried.contains(&h.endpoint.addr)) {
+                return Some(endpoints);
+            }
+            tokio::select! {
+                changed = rx.changed() => if changed.is_err() { return None },
+                _ = tokio::time::sleep_until(deadline) => return None,
+            }
         }
     }
 
