@@ -314,24 +314,25 @@ impl Manifest {
             }
         }
         for (i, l) in self.load.iter().enumerate() {
-            let services =
-                match (&l.cluster, self.clusters.is_empty()) {
-                    (None, true) => &self.services,
-                    (Some(c), false) => match self.clusters.iter().find(|x| &x.name == c) {
-                        Some(x) => &x.services,
-                        None => return Err(format!(
-                            "field `load[{i}].cluster`: {c:?} is not a cluster of this manifest"
-                        )),
-                    },
-                    (None, false) => {
+            let services = match (&l.cluster, self.clusters.is_empty()) {
+                (None, true) => &self.services,
+                (Some(c), false) => match self.clusters.iter().find(|x| &x.name == c) {
+                    Some(x) => &x.services,
+                    None => {
                         return Err(format!(
-                            "field `load[{i}].cluster`: required with `clusters`"
+                            "field `load[{i}].cluster`: {c:?} is not a cluster of this manifest"
                         ))
                     }
-                    (Some(_), true) => {
-                        return Err(format!("field `load[{i}].cluster`: only with `clusters`"))
-                    }
-                };
+                },
+                (None, false) => {
+                    return Err(format!(
+                        "field `load[{i}].cluster`: required with `clusters`"
+                    ))
+                }
+                (Some(_), true) => {
+                    return Err(format!("field `load[{i}].cluster`: only with `clusters`"))
+                }
+            };
             if !services.iter().any(|s| s.name == l.service) {
                 return Err(format!(
                     "field `load[{i}].service`: {:?} is not a service of this manifest",
