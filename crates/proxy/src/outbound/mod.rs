@@ -41,6 +41,8 @@ use crate::ProxyConfig;
 
 /// Endpoints tried per request when connections fail.
 const CONNECT_ATTEMPTS: usize = 3;
+/// Retries (after a request was sent) per request, whatever the budget.
+const MAX_RETRIES: usize = 3;
 /// Services unused this long are forgotten (and their discovery stream ended).
 const IDLE_SERVICE: Duration = Duration::from_secs(300);
 
@@ -334,6 +336,7 @@ impl Outbound {
             (None, Some(body.boxed()))
         };
         let mut tried = Vec::new();
+        let mut retries = 0;
         loop {
             let attempt_body = match (&kept, body.take()) {
                 (Some(bytes), _) => crate::http::full(bytes.clone()),
@@ -359,7 +362,12 @@ impl Outbound {
                 Err(ProxyError::Connect { .. } | ProxyError::Upstream { .. }) => true,
                 Err(_) => false,
             };
-            if !failed_before_app || kept.is_none() {
+            if !failed_before_app || kept.is_none() || retries == MAX_RETRIES {
+                return attempt;
+            }
+            retries += 1;
+            if !budget.withdraw() {
+                self.metrics.retry(authority, "budget_exhausted");
                 return attempt;
             }
             if !endpoints.iter().any(|h| !tried.contains(&h.endpoint.addr)) {
@@ -369,10 +377,6 @@ impl Outbound {
                     Some(eps) => endpoints = eps,
                     None => return attempt,
                 }
-            }
-            if !budget.withdraw() {
-                self.metrics.retry(authority, "budget_exhausted");
-                return attempt;
             }
             self.metrics.retry(authority, "retried");
             tracing::debug!(%authority, "retrying on another endpoint");
