@@ -425,6 +425,12 @@ impl DestinationService {
                 None => DestinationProfile::default(),
             });
         }
+        if let Some((global, _)) = global_path(path) {
+            return Ok(DestinationProfile {
+                fully_qualified_name: format!("{global}.global"),
+                ..Default::default()
+            });
+        }
         let auth = parse_service_authority(path, &self.cluster_domain)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         Ok(DestinationProfile {
