@@ -32,6 +32,12 @@ fn sh(args: &[&str]) {
     );
 }
 
+/// The second octet of a mesh's addresses: distinct per mesh of this test
+/// process, and (most likely) from another test process running at once.
+fn subnet(net: u8) -> u8 {
+    100 + ((std::process::id() % 30) as u8) * 5 + net % 5
+}
+
 /// A cluster's network namespace and the veth that links it.
 struct NetNs {
     name: String,
@@ -44,8 +50,8 @@ impl NetNs {
         let name = format!("tether-t{}-{net}-{i}", std::process::id() % 100_000);
         let veth = format!("tv{}x{net}x{i}", std::process::id() % 10_000);
         let (outer, inner) = (
-            format!("10.{}.{i}.1", 100 + net),
-            format!("10.{}.{i}.2", 100 + net),
+            format!("10.{}.{i}.1", subnet(net)),
+            format!("10.{}.{i}.2", subnet(net)),
         );
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
         sh(&["ip", "netns", "add", &name]);
@@ -228,7 +234,7 @@ async fn mesh(specs: Vec<Spec<'_>>) -> Vec<Cluster> {
         .map(|s| s.to_string())
         .collect();
         for (other, priority) in &spec.links {
-            let other_ip = Ipv4Addr::new(10, 100 + net, *other as u8, 2);
+            let other_ip = Ipv4Addr::new(10, subnet(net), *other as u8, 2);
             args.push("--link".into());
             args.push(format!(
                 "name={},export={other_ip}:{EXPORT},gateway={other_ip}:{GATEWAY},priority={priority}",
@@ -393,7 +399,9 @@ async fn until_all_from(client: &Cluster, from: &str) -> BTreeMap<String, usize>
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    panic!("traffic never moved entirely to {from}: last batch {last:?}");
+    let log = client.scratch.read_log("control");
+    let tail: Vec<&str> = log.lines().rev().take(15).collect();
+    panic!("traffic never moved entirely to {from}: last batch {last:?}\n--- {} control (last lines) ---\n{}", client.name, tail.join("\n"));
 }
 
 #[tokio::test]

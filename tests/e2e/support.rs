@@ -320,9 +320,11 @@ pub async fn get(connect: SocketAddr, authority: &str) -> Answer {
         .unwrap()
 }
 
-/// A loopback port nobody listens on (free when this returns).
+/// A loopback address nobody listens on (free when this returns). It is
+/// on 127.0.0.3, where nothing else in the tests binds, so the port cannot
+/// be taken meanwhile by another test's listener.
 pub fn free_port() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.1:0")
+    std::net::TcpListener::bind("127.0.0.3:0")
         .unwrap()
         .local_addr()
         .unwrap()
