@@ -154,3 +154,55 @@ async fn opaque_ports_forward_raw_tcp() {
         .await
     );
 }
+
+#[tokio::test]
+async fn grpc_errors_in_trailers_are_counted_as_failures() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    let app = scratch
+        .spawn(
+            "web-0",
+            &[
+                "demo-app",
+                "--listen",
+                "127.0.0.1:0",
+                "--replica",
+                "web-0",
+                "--error-rate",
+                "1",
+            ],
+            &["http"],
+        )
+        .await;
+    let sidecar = scratch
+        .proxy("server", control.addr("grpc"), Some(app.addr("http")), &[])
+        .await;
+    scratch.endpoint("web-0", "web", sidecar.addr("inbound"), true);
+    let client = scratch
+        .proxy("client", control.addr("grpc"), None, &[])
+        .await;
+    let web = authority("web", 8080);
+    let channel = demo_grpc::channel(client.addr("outbound"), &web)
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let status = demo_grpc::hello(channel.clone(), "x").await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Internal);
+    }
+    for (proxy, direction) in [(&client, "outbound"), (&sidecar, "inbound")] {
+        let admin = proxy.addr("admin");
+        assert!(
+            eventually(std::time::Duration::from_secs(5), || async {
+                metric_value(
+                    &metrics(admin).await,
+                    "tether_proxy_requests_total",
+                    &[("direction", direction), ("status_class", "grpc_error")],
+                ) >= 3.0
+            })
+            .await,
+            "{direction}: gRPC errors not counted as failures:\n{}",
+            metrics(admin).await
+        );
+    }
+}

@@ -79,7 +79,10 @@ impl Totals {
             match s.name.as_str() {
                 "tether_proxy_requests_total" => {
                     t.requests += s.value;
-                    if matches!(s.label("status_class"), Some("5xx")) {
+                    if matches!(
+                        s.label("status_class"),
+                        Some("5xx" | "grpc_error" | "error")
+                    ) {
                         t.failures += s.value;
                     }
                 }

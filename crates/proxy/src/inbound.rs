@@ -28,8 +28,7 @@ use crate::client::{EndpointClient, Proto};
 use crate::detect::{detect, PrefixedIo, Protocol};
 use crate::errors::ProxyError;
 use crate::http::{
-    error_response, is_grpc, request_authority, rewrite_for_hop, status_class, strip_hop_by_hop,
-    Body, ORIG_PROTO,
+    error_response, is_grpc, request_authority, rewrite_for_hop, strip_hop_by_hop, Body, ORIG_PROTO,
 };
 use crate::metrics::{Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http};
@@ -185,14 +184,8 @@ impl Inbound {
                 error_response(&e, grpc)
             }
         };
-        self.metrics.record(
-            "inbound",
-            &authority,
-            status_class(rsp.status()),
-            start.elapsed(),
-            hop,
-        );
-        rsp
+        self.metrics
+            .record_response(rsp, "inbound", authority, start.elapsed(), hop.clone())
     }
 
     async fn forward_tcp(&self, mut client: BoxedIo, prefix: bytes::Bytes, peer: SocketAddr) {

@@ -28,9 +28,12 @@
 //!   certified by the control plane, renewed before expiry.
 //! - [`tls`]: when a connection between proxies is mTLS, plaintext, or
 //!   refused (`--tls opportunistic|mandatory`).
+//! - [`classify`]: counts a response once its outcome is known (gRPC's
+//!   status comes in the trailers).
 //! - [`metrics`]: request counts, latency histograms, open connections.
 
 pub mod balance;
+pub mod classify;
 pub mod client;
 pub mod detect;
 pub mod discovery;

@@ -106,7 +106,7 @@ impl ProxyMetrics {
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "tether_proxy_requests",
-            "HTTP requests by direction, authority and response status class (error: no response)",
+            "HTTP requests by direction, authority and outcome (1xx-5xx; grpc_error: non-zero grpc-status; error: the body failed)",
             self.requests.clone(),
         );
         registry.register(
@@ -181,14 +181,29 @@ impl ProxyMetrics {
             .inc();
     }
 
-    pub fn record(
+    /// Observes the latency to response headers now, and counts the
+    /// request by class once its outcome is known (see [`crate::classify`]).
+    pub fn record_response(
         &self,
-        direction: &str,
-        authority: &str,
-        class: &str,
+        rsp: http::Response<crate::http::Body>,
+        direction: &'static str,
+        authority: String,
         latency: std::time::Duration,
-        hop: &Hop,
-    ) {
+        hop: Hop,
+    ) -> http::Response<crate::http::Body> {
+        self.latency
+            .get_or_create(&RouteLabels {
+                direction: direction.into(),
+                authority: authority.clone(),
+            })
+            .observe(latency.as_secs_f64());
+        let metrics = self.clone();
+        crate::classify::classify(rsp, move |class| {
+            metrics.count(direction, &authority, class, &hop)
+        })
+    }
+
+    fn count(&self, direction: &str, authority: &str, class: &str, hop: &Hop) {
         self.requests
             .get_or_create(&RequestLabels {
                 direction: direction.into(),
@@ -198,12 +213,6 @@ impl ProxyMetrics {
                 client_id: hop.client_id.as_deref().unwrap_or("").into(),
             })
             .inc();
-        self.latency
-            .get_or_create(&RouteLabels {
-                direction: direction.into(),
-                authority: authority.into(),
-            })
-            .observe(latency.as_secs_f64());
     }
 
     /// Counts a connection as open until the returned guard drops.

@@ -31,8 +31,7 @@ use crate::detect::OPAQUE_PREFACE;
 use crate::discovery::Discovery;
 use crate::errors::ProxyError;
 use crate::http::{
-    error_response, is_grpc, request_authority, rewrite_for_hop, status_class, strip_hop_by_hop,
-    Body, ORIG_PROTO,
+    error_response, is_grpc, request_authority, rewrite_for_hop, strip_hop_by_hop, Body, ORIG_PROTO,
 };
 use crate::metrics::{AuthorityLabels, Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http};
@@ -273,14 +272,8 @@ impl Outbound {
             tracing::debug!(authority = %label, error = %e, "outbound request failed");
             (error_response(&e, grpc), Hop::default())
         });
-        self.metrics.record(
-            "outbound",
-            &label,
-            status_class(rsp.status()),
-            start.elapsed(),
-            &hop,
-        );
-        rsp
+        self.metrics
+            .record_response(rsp, "outbound", label, start.elapsed(), hop)
     }
 
     async fn route(

@@ -1,0 +1,144 @@
+//! Classifies a response once its outcome is known, and only then counts
+//! it. For HTTP the status says it all; gRPC says it in `grpc-status`,
+//! usually in the trailers at the end of the body, so a response body is
+//! wrapped and counted when its trailers arrive (or when it ends, fails or
+//! is dropped). Classes: `1xx`–`5xx`, `grpc_error` (a non-zero
+//! `grpc-status`), `error` (the body failed).
+
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body_util::BodyExt;
+use hyper::body::{Frame, SizeHint};
+
+use crate::http::{status_class, Body};
+
+/// `grpc-status`, when present.
+pub fn grpc_status(headers: &HeaderMap) -> Option<u32> {
+    headers
+        .get("grpc-status")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+type Record = Box<dyn FnOnce(&'static str) + Send + Sync>;
+
+struct Classified {
+    inner: Body,
+    /// The class if nothing more specific turns up.
+    default_class: &'static str,
+    record: Option<Record>,
+}
+
+impl Classified {
+    fn finish(&mut self, class: &'static str) {
+        if let Some(record) = self.record.take() {
+            record(class);
+        }
+    }
+}
+
+impl hyper::body::Body for Classified {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        match &frame {
+            Some(Ok(f)) => {
+                if let Some(code) = f.trailers_ref().and_then(grpc_status) {
+                    this.finish(if code == 0 { "2xx" } else { "grpc_error" });
+                }
+            }
+            Some(Err(_)) => this.finish("error"),
+            None => {
+                let class = this.default_class;
+                this.finish(class);
+            }
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Classified {
+    fn drop(&mut self) {
+        let class = self.default_class;
+        self.finish(class);
+    }
+}
+
+/// Wraps `rsp` so that `record` is called once with its class.
+pub fn classify(
+    rsp: http::Response<Body>,
+    record: impl FnOnce(&'static str) + Send + Sync + 'static,
+) -> http::Response<Body> {
+    let grpc = crate::http::is_grpc(rsp.headers());
+    let class = match (grpc, grpc_status(rsp.headers())) {
+        (true, Some(code)) if code != 0 => "grpc_error",
+        _ => status_class(rsp.status()),
+    };
+    let (parts, body) = rsp.into_parts();
+    let wrapped = Classified {
+        inner: body,
+        default_class: class,
+        record: Some(Box::new(record)),
+    };
+    http::Response::from_parts(parts, wrapped.boxed())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    fn grpc_response(trailer: &str) -> http::Response<Body> {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", trailer.parse().unwrap());
+        let frames = vec![
+            Ok::<_, hyper::Error>(Frame::data(Bytes::from_static(b"\\0\\0\\0\\0\\0"))),
+            Ok(Frame::trailers(trailers)),
+        ];
+        let body = http_body_util::StreamBody::new(futures::stream::iter(frames)).boxed();
+        http::Response::builder()
+            .header("content-type", "application/grpc")
+            .body(body)
+            .unwrap()
+    }
+
+    async fn class_of(rsp: http::Response<Body>) -> String {
+        let seen = Arc::new(Mutex::new(String::new()));
+        let s = seen.clone();
+        let rsp = classify(rsp, move |c| *s.lock().unwrap() = c.to_string());
+        let _ = rsp.into_body().collect().await;
+        let class = seen.lock().unwrap().clone();
+        class
+    }
+
+    #[tokio::test]
+    async fn grpc_status_in_trailers_decides() {
+        assert_eq!(class_of(grpc_response("0")).await, "2xx");
+        assert_eq!(class_of(grpc_response("13")).await, "grpc_error");
+        let plain = http::Response::builder()
+            .status(503)
+            .body(crate::http::full("x"))
+            .unwrap();
+        assert_eq!(class_of(plain).await, "5xx");
+    }
+}
