@@ -166,6 +166,7 @@ async fn main() -> anyhow::Result<()> {
                 global_id: None,
                 mode: None,
                 retry_budget: None,
+                cluster_ip: None,
                 endpoints: vec![],
             }),
         )?;

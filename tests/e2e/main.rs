@@ -10,6 +10,7 @@ mod discovery;
 mod drain;
 mod errors;
 mod identity;
+mod intercept;
 mod multicluster;
 mod outage;
 mod protocols;

@@ -13,13 +13,13 @@ use std::time::Duration;
 
 use crate::support::*;
 
-static NEXT_NET: AtomicU8 = AtomicU8::new(0);
+pub(crate) static NEXT_NET: AtomicU8 = AtomicU8::new(0);
 const GRPC: u16 = 8086;
 const EXPORT: u16 = 8087;
 const GATEWAY: u16 = 4180;
 const CLIENT: u16 = 4140;
 
-fn sh(args: &[&str]) {
+pub(crate) fn sh(args: &[&str]) {
     let out = Command::new(args[0])
         .args(&args[1..])
         .output()
@@ -39,14 +39,14 @@ fn subnet(net: u8) -> u8 {
 }
 
 /// A cluster's network namespace and the veth that links it.
-struct NetNs {
-    name: String,
+pub(crate) struct NetNs {
+    pub(crate) name: String,
     veth: String,
-    ip: Ipv4Addr,
+    pub(crate) ip: Ipv4Addr,
 }
 
 impl NetNs {
-    fn new(net: u8, i: u8) -> Self {
+    pub(crate) fn new(net: u8, i: u8) -> Self {
         let name = format!("tether-t{}-{net}-{i}", std::process::id() % 100_000);
         let veth = format!("tv{}x{net}x{i}", std::process::id() % 10_000);
         let (outer, inner) = (
@@ -80,7 +80,7 @@ impl NetNs {
         }
     }
 
-    fn addr(&self, port: u16) -> SocketAddr {
+    pub(crate) fn addr(&self, port: u16) -> SocketAddr {
         SocketAddr::new(IpAddr::V4(self.ip), port)
     }
 
@@ -141,7 +141,7 @@ struct Spec<'a> {
 }
 
 /// Runs `tether ARGS` inside the namespace.
-async fn spawn_in(
+pub(crate) async fn spawn_in(
     scratch: &Scratch,
     net: &NetNs,
     name: &str,

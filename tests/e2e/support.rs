@@ -60,6 +60,7 @@ impl Scratch {
             global_id: None,
             mode: None,
             retry_budget: None,
+            cluster_ip: None,
             endpoints: vec![],
         });
         self.write(&format!("{name}.yaml"), &doc.to_yaml());

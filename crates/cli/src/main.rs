@@ -201,6 +201,30 @@ enum Command {
         #[command(subcommand)]
         command: DiagnosticsCommand,
     },
+    /// Program iptables for transparent interception (what a sidecar's init container does).
+    Init {
+        /// The proxy's user id; its own traffic is never redirected.
+        #[arg(long, default_value = "1337")]
+        proxy_uid: u32,
+        #[arg(long, default_value = "4140")]
+        outbound_port: u16,
+        #[arg(long, default_value = "4143")]
+        inbound_port: u16,
+        /// Inbound ports not redirected (comma-separated), e.g. the proxy's admin port.
+        #[arg(long, value_delimiter = ',', default_value = "4191")]
+        skip_inbound_ports: Vec<u16>,
+        /// Outbound destination ports not redirected (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        skip_outbound_ports: Vec<u16>,
+        /// Redirect only outbound traffic.
+        #[arg(long)]
+        outbound_only: bool,
+        #[arg(long, default_value = "iptables")]
+        iptables: String,
+        /// Print the iptables commands without running them.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Manage the mesh's trust root, issuer and bootstrap tokens.
     Identity {
         #[command(subcommand)]
@@ -530,6 +554,27 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::ensure!(ok, "some replicas could not be read");
             }
         },
+        Command::Init {
+            proxy_uid,
+            outbound_port,
+            inbound_port,
+            skip_inbound_ports,
+            skip_outbound_ports,
+            outbound_only,
+            iptables,
+            dry_run,
+        } => {
+            tether_ops::init::run(&tether_ops::init::InitOptions {
+                iptables,
+                proxy_uid,
+                outbound_port,
+                inbound_port,
+                skip_inbound_ports,
+                skip_outbound_ports,
+                inbound: !outbound_only,
+                dry_run,
+            })?;
+        }
         Command::Identity { command } => match command {
             IdentityCommand::Init {
                 out,

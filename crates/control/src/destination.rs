@@ -264,6 +264,7 @@ impl SentState {
                             ("namespace".to_string(), k.namespace.clone()),
                         ]),
                         SlotKey::Global(g) => HashMap::from([("global_id".to_string(), g.clone())]),
+                        SlotKey::Endpoint(_) => HashMap::new(),
                     },
                 })),
             });
@@ -468,9 +469,18 @@ impl Destination for DestinationService {
         }
         let path = req.into_inner().path;
         tracing::debug!(%path, "Destination.Get");
-        let (key, port) = match global_path(&path) {
-            Some((g, port)) => (SlotKey::Global(g), port),
-            None => {
+        let ip_literal = split_host_port(&path).ok().and_then(|(host, port)| {
+            let ip = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .parse::<std::net::IpAddr>()
+                .ok()?;
+            Some(SocketAddr::new(ip, port))
+        });
+        let (key, port) = match (global_path(&path), ip_literal) {
+            (Some((g, port)), _) => (SlotKey::Global(g), port),
+            (None, Some(addr)) => (self.index.resolve_ip(addr), addr.port()),
+            (None, None) => {
                 let auth = parse_service_authority(&path, &self.cluster_domain)
                     .map_err(|e| Status::invalid_argument(e.to_string()))?;
                 (SlotKey::Service(auth.service), auth.port)
@@ -573,6 +583,7 @@ mod tests {
                 global_id: None,
                 mode: None,
                 retry_budget: None,
+                cluster_ip: None,
                 endpoints: vec![EndpointSpec {
                     address: "127.0.0.1:1".parse().unwrap(),
                     port: None,

@@ -33,6 +33,7 @@ pub struct ServiceState {
     pub global_id: Option<String>,
     pub mode: Option<MulticlusterMode>,
     pub retry_budget: Option<tether_core::registry::RetryBudget>,
+    pub cluster_ip: Option<std::net::IpAddr>,
     pub endpoints: Vec<EndpointSpec>,
 }
 
@@ -79,6 +80,8 @@ pub enum SlotKey {
     Service(ServiceKey),
     /// The local endpoints of every service with this global id.
     Global(String),
+    /// One endpoint, by address (an intercepted connection to a pod IP).
+    Endpoint(SocketAddr),
 }
 
 impl From<ServiceKey> for SlotKey {
@@ -92,6 +95,7 @@ impl std::fmt::Display for SlotKey {
         match self {
             SlotKey::Service(k) => write!(f, "{k}"),
             SlotKey::Global(g) => write!(f, "global/{g}"),
+            SlotKey::Endpoint(a) => write!(f, "endpoint/{a}"),
         }
     }
 }
@@ -193,6 +197,14 @@ impl Index {
             .registry_endpoints
             .inc_by(new_endpoints as i64 - old_endpoints as i64);
         let mut affected = vec![SlotKey::Service(key.clone())];
+        // Endpoint slots are few (intercepted pod-IP connections): refresh all.
+        affected.extend(
+            inner
+                .slots
+                .keys()
+                .filter(|k| matches!(k, SlotKey::Endpoint(_)))
+                .cloned(),
+        );
         for g in old_global.iter().chain(new_global.iter()) {
             affected.push(SlotKey::Global(g.clone()));
             if let Some(members) = inner.by_global.get(g) {
@@ -221,6 +233,20 @@ impl Index {
             .map(SlotKey::Service)
             .collect();
         inner.republish(&affected, Instant::now());
+    }
+
+    /// What an intercepted `ip:port` is: the service whose cluster IP it
+    /// is, or else that one endpoint.
+    pub fn resolve_ip(&self, addr: SocketAddr) -> SlotKey {
+        let inner = self.inner.lock().unwrap();
+        inner
+            .services
+            .iter()
+            .find(|(_, s)| {
+                s.cluster_ip == Some(addr.ip()) && s.ports.iter().any(|p| p.port == addr.port())
+            })
+            .map(|(k, _)| SlotKey::Service(k.clone()))
+            .unwrap_or(SlotKey::Endpoint(addr))
     }
 
     /// Ready local endpoints per global id, for the export API.
@@ -336,6 +362,25 @@ impl Inner {
                 opaque: false,
                 endpoints: self.local_union(g, port),
             },
+            SlotKey::Endpoint(addr) => {
+                let found = self.services.values().find_map(|svc| {
+                    let ep = svc
+                        .endpoints
+                        .iter()
+                        .find(|e| e.address == *addr && e.ready)?;
+                    let port = ep.port.unwrap_or(svc.ports[0].port);
+                    let opaque = svc.ports.iter().any(|p| p.port == port && p.opaque);
+                    Some(meta_of(ep, opaque, &self.cluster))
+                });
+                match found {
+                    Some(meta) => PortSnapshot {
+                        exists: true,
+                        opaque: meta.opaque,
+                        endpoints: BTreeMap::from([(*addr, meta)]),
+                    },
+                    None => PortSnapshot::default(),
+                }
+            }
             SlotKey::Service(k) => {
                 let Some(svc) = self.services.get(k) else {
                     return PortSnapshot::default();
@@ -491,6 +536,7 @@ mod tests {
             global_id: None,
             mode: None,
             retry_budget: None,
+            cluster_ip: None,
             endpoints,
         }
     }

@@ -84,6 +84,10 @@ pub struct ServiceDoc {
     pub global_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<MulticlusterMode>,
+    /// The service's virtual IP: connections to `cluster_ip:port` that a
+    /// proxy intercepts resolve to this service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_ip: Option<std::net::IpAddr>,
     /// Overrides the proxies' retry budget for this service.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_budget: Option<RetryBudget>,

@@ -327,6 +327,7 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
             global_id: s.global_id.clone(),
             mode: s.mode,
             retry_budget: None,
+            cluster_ip: None,
             endpoints: vec![],
         });
         write_document(

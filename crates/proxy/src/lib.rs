@@ -7,6 +7,8 @@
 //!   request's authority, resolves it through [`discovery`], picks an endpoint
 //!   with the [`balance`]r and forwards over a pooled [`client`] connection.
 //!   Also the `--upstream` listeners, which pin one service per local port.
+//! - [`intercept`]: the original destination of connections iptables
+//!   redirected to the outbound listener (`tether init`).
 //! - [`inbound`]: the inbound listener. [`detect`]s the protocol on the first
 //!   bytes, and forwards HTTP or opaque TCP to the local app.
 //! - [`discovery`]: one `Destination.Get` stream per authority, shared by
@@ -43,6 +45,7 @@ pub mod gateway;
 pub mod http;
 pub mod identity;
 pub mod inbound;
+pub mod intercept;
 pub mod metrics;
 pub mod outbound;
 pub mod retry;

@@ -71,6 +71,13 @@ impl Connector {
         })
     }
 
+    /// Whether plaintext between proxies is forbidden.
+    pub fn is_mandatory(&self) -> bool {
+        self.tls
+            .as_ref()
+            .is_some_and(|t| t.mode == TlsMode::Mandatory)
+    }
+
     fn plan<'a>(&self, identity: Option<&'a str>) -> Plan<'a> {
         let Some(tls) = &self.tls else {
             return Plan::Plain;

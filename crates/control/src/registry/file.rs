@@ -247,6 +247,7 @@ impl Loaded {
             global_id: svc.global_id.clone(),
             mode: svc.mode,
             retry_budget: svc.retry_budget,
+            cluster_ip: svc.cluster_ip,
             endpoints: docs().flat_map(|d| d.endpoints().iter().cloned()).collect(),
         })
     }

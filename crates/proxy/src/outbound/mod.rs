@@ -114,6 +114,9 @@ impl Outbound {
                 let this = self.clone();
                 async move {
                     let _open = this.metrics.connection("outbound");
+                    if let Some(dst) = crate::intercept::original_dst(&stream) {
+                        return this.serve_intercepted(stream, dst, watcher).await;
+                    }
                     let svc = move |req| {
                         let this = this.clone();
                         async move { this.handle(req, None).await }
@@ -123,6 +126,58 @@ impl Outbound {
             },
         )
         .await
+    }
+
+    /// A connection iptables redirected: it is for whatever `dst` is — a
+    /// service's cluster IP, a pod's IP, or something outside the mesh,
+    /// which is passed through as opaque TCP (never under mandatory TLS).
+    async fn serve_intercepted(
+        self: Arc<Self>,
+        mut stream: TcpStream,
+        dst: std::net::SocketAddr,
+        watcher: hyper_util::server::graceful::Watcher,
+    ) {
+        let authority: Arc<str> = dst.to_string().into();
+        let svc = self.service(&authority);
+        let endpoints = match svc.ready_endpoints(self.failfast_timeout).await {
+            Ok(eps) => eps,
+            Err(ProxyError::UnknownService(_) | ProxyError::ControlPlaneUnreachable) => {
+                if self.connector.is_mandatory() {
+                    self.metrics.refuse("mandatory_tls_unknown_destination");
+                    tracing::warn!(%dst, "refused: {dst} is not in the mesh and TLS is mandatory, so it cannot be reached in plaintext");
+                    return;
+                }
+                let client = self.forwarder.client(dst);
+                let mut server = match client.connect_stream().await {
+                    Ok((s, _)) => s,
+                    Err(reason) => {
+                        tracing::debug!(%dst, %reason, "pass-through connect failed");
+                        return;
+                    }
+                };
+                let _ = tokio::io::copy_bidirectional(&mut stream, &mut server).await;
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(%dst, error = %e, "intercepted connection closed");
+                return;
+            }
+        };
+        let (proto, prefix) =
+            match crate::detect::detect(&mut stream, Duration::from_secs(10)).await {
+                Ok(d) => d,
+                Err(_) => return,
+            };
+        let io = crate::detect::PrefixedIo::new(prefix, stream);
+        if proto == crate::detect::Protocol::Http && !endpoints.iter().any(|h| h.endpoint.opaque) {
+            let svc = move |req| {
+                let (this, authority) = (self.clone(), authority.clone());
+                async move { this.handle(req, Some(&authority)).await }
+            };
+            serve_http(io, svc, watcher).await;
+        } else if proto != crate::detect::Protocol::Closed {
+            self.forward_tcp(Box::new(io), &authority, &endpoints).await;
+        }
     }
 
     /// A local listener pinned to one service: opaque TCP when the service
@@ -160,7 +215,8 @@ impl Outbound {
                         }
                     };
                     if endpoints.iter().any(|h| h.endpoint.opaque) {
-                        this.forward_tcp(stream, &authority, &endpoints).await;
+                        this.forward_tcp(Box::new(stream), &authority, &endpoints)
+                            .await;
                     } else {
                         let svc = move |req| {
                             let this = this.clone();
@@ -503,7 +559,7 @@ impl Outbound {
 
     async fn forward_tcp(
         &self,
-        mut client: TcpStream,
+        mut client: crate::tls::BoxedIo,
         authority: &str,
         endpoints: &[Arc<EndpointHandle>],
     ) {
