@@ -5,6 +5,7 @@
 mod support;
 
 mod balancing;
+mod check;
 mod diagnostics;
 mod discovery;
 mod drain;

@@ -3,7 +3,8 @@
 //!
 //! - [`Readiness`]: named conditions a process waits for before it reports
 //!   ready; `/ready` names the ones still missing.
-//! - [`serve`]: the admin HTTP listener.
+//! - [`serve`]: the admin HTTP listener (`/live`, `/ready`, `/metrics`,
+//!   `/version`).
 //! - [`Shutdown`]: one signal, fired by SIGTERM/SIGINT, that listeners watch
 //!   so they stop accepting and drain.
 
@@ -190,6 +191,10 @@ fn respond(admin: &Admin, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     }
     match path {
         "/live" => text(StatusCode::OK, "live\n".into()),
+        "/version" => text(
+            StatusCode::OK,
+            format!("tether {}\n", env!("CARGO_PKG_VERSION")),
+        ),
         "/ready" => {
             let missing = admin.readiness.missing();
             if missing.is_empty() {

@@ -196,6 +196,23 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Check the mesh: control planes, replicas, certificates, proxies (a hint per failure).
+    Check {
+        /// A control-plane gRPC address (repeatable).
+        #[arg(long, default_value = "127.0.0.1:8086")]
+        control: Vec<String>,
+        /// A proxy's admin address (repeatable).
+        #[arg(long)]
+        proxy: Vec<SocketAddr>,
+        /// The identity directory, to check the trust root and issuer.
+        #[arg(long)]
+        identity: Option<PathBuf>,
+        /// The registry directory, to check replicas serve what it says.
+        #[arg(long)]
+        registry: Option<PathBuf>,
+        #[arg(long, default_value = "cluster.local")]
+        cluster_domain: String,
+    },
     /// Compare what control-plane replicas serve, with each other and the registry.
     Diagnostics {
         #[command(subcommand)]
@@ -531,6 +548,23 @@ async fn main() -> anyhow::Result<()> {
             if duration.is_some() && outcome.report.succeeded == 0 {
                 anyhow::bail!("no request succeeded");
             }
+        }
+        Command::Check {
+            control,
+            proxy,
+            identity,
+            registry,
+            cluster_domain,
+        } => {
+            let ok = tether_ops::check::run(&tether_ops::check::CheckOptions {
+                controls: control,
+                proxies: proxy,
+                identity,
+                registry,
+                cluster_domain,
+            })
+            .await?;
+            anyhow::ensure!(ok, "some checks failed");
         }
         Command::Diagnostics { command } => match command {
             DiagnosticsCommand::Endpoints {

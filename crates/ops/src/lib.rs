@@ -3,7 +3,9 @@
 //! - [`diagnostics`]: `tether diagnostics endpoints` (each control-plane
 //!   replica's view of a service, the differences between replicas and
 //!   against the registry) and `tether diagnostics controller-metrics`.
+//! - [`check`]: `tether check`, the mesh's health with a hint per failure.
 //! - [`init`]: `tether init`, the iptables rules of transparent interception.
 
+pub mod check;
 pub mod diagnostics;
 pub mod init;
