@@ -48,9 +48,14 @@ fn parse_upstream(s: &str) -> Result<(SocketAddr, String), String> {
 enum Command {
     /// Run the control plane (Destination, policy) over a registry.
     Control {
-        /// Directory of registry YAML documents, watched for changes.
+        /// Directory of registry YAML documents (watched for changes), or
+        /// `kubernetes` to watch Services, EndpointSlices and Pods.
         #[arg(long)]
         registry: PathBuf,
+        /// With --registry kubernetes: the API server URL (default: in-cluster
+        /// configuration, else the kubeconfig).
+        #[arg(long)]
+        kube_api: Option<String>,
         /// gRPC listen address (Destination and policy APIs).
         #[arg(long, default_value = "127.0.0.1:8086")]
         grpc: SocketAddr,
@@ -366,6 +371,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Control {
             registry,
+            kube_api,
             grpc,
             admin,
             cluster_domain,
@@ -403,6 +409,7 @@ async fn main() -> anyhow::Result<()> {
             );
             let config = tether_control::ControlConfig {
                 registry_dir: registry,
+                kube_api,
                 grpc_addr: grpc,
                 admin_addr: admin,
                 cluster_domain,

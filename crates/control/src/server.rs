@@ -18,7 +18,11 @@ use crate::registry::{file::FileRegistry, Registry, LOADED};
 
 #[derive(Clone, Debug)]
 pub struct ControlConfig {
+    /// A registry directory, or `kubernetes`.
     pub registry_dir: PathBuf,
+    /// With the Kubernetes registry: the API server's URL (default: in-cluster
+    /// configuration or the kubeconfig).
+    pub kube_api: Option<String>,
     pub grpc_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub cluster_domain: String,
@@ -49,6 +53,8 @@ pub enum ControlError {
     TokenSecret(std::io::Error),
     #[error("multicluster: {0}")]
     Multicluster(String),
+    #[error("Kubernetes: {0}")]
+    Kubernetes(String),
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
 }
@@ -56,7 +62,8 @@ pub enum ControlError {
 /// Runs the control plane until `shutdown` fires. Subscriber streams end
 /// cleanly on shutdown so proxies move to another replica.
 pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), ControlError> {
-    if !config.registry_dir.is_dir() {
+    let kubernetes = config.registry_dir.as_os_str() == "kubernetes";
+    if !kubernetes && !config.registry_dir.is_dir() {
         return Err(crate::registry::RegistryError::Directory {
             path: config.registry_dir.display().to_string(),
             source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory"),
@@ -111,6 +118,13 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     let mut registry = prometheus_client::registry::Registry::default();
     metrics.register(&mut registry);
     identity_metrics.register(&mut registry);
+    let kube_lag =
+        crate::registry::kubernetes::WatchLag::new_with_constructor(crate::metrics::LatencyBuckets);
+    registry.register(
+        "tether_kubernetes_watch_lag_seconds",
+        "From a Kubernetes object's last change to the control plane seeing it, by kind",
+        kube_lag.clone(),
+    );
     let readiness = Readiness::default();
     readiness.require(LOADED);
     let index = Index::new(metrics.clone());
@@ -142,16 +156,37 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         shutdown.clone(),
     ));
 
-    let file_registry = FileRegistry::new(&config.registry_dir, metrics.clone());
     let ready = readiness.clone();
     let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut registry_task = tokio::spawn(file_registry.run(
-        index.clone(),
-        Box::new(move || {
-            ready.set(LOADED, true);
-            let _ = loaded_tx.send(());
-        }),
-    ));
+    let loaded: Box<dyn FnOnce() + Send> = Box::new(move || {
+        ready.set(LOADED, true);
+        let _ = loaded_tx.send(());
+    });
+    let mut registry_task = if kubernetes {
+        let client = match &config.kube_api {
+            Some(url) => {
+                let uri = url.parse().map_err(|_| {
+                    ControlError::Kubernetes(format!("--kube-api {url:?} is not a URL"))
+                })?;
+                kube::Client::try_from(kube::Config::new(uri))
+                    .map_err(|e| ControlError::Kubernetes(e.to_string()))?
+            }
+            None => kube::Client::try_default().await.map_err(|e| {
+                ControlError::Kubernetes(format!("no in-cluster configuration or kubeconfig: {e}"))
+            })?,
+        };
+        let k8s = crate::registry::kubernetes::KubernetesRegistry::new(
+            client,
+            &config.cluster_domain,
+            metrics.clone(),
+            kube_lag,
+        );
+        tokio::spawn(k8s.run(index.clone(), loaded))
+    } else {
+        tokio::spawn(
+            FileRegistry::new(&config.registry_dir, metrics.clone()).run(index.clone(), loaded),
+        )
+    };
     // Answer no discovery before the first full load: an empty index would
     // tell proxies that every service is unknown. Clients wait in the
     // listen backlog meanwhile.

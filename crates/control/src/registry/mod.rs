@@ -6,6 +6,7 @@
 //! a Kubernetes backend will implement the same trait.
 
 pub mod file;
+pub mod kubernetes;
 
 use std::future::Future;
 

@@ -1,0 +1,426 @@
+//! The Kubernetes registry: Services, EndpointSlices and Pods, watched
+//! through `kube`'s runtime watchers (which relist after `410 Gone`, use
+//! bookmarks, and resume after dropped watches), turned into the same
+//! index the file registry feeds.
+//!
+//! - A Service gives the ports, the cluster IP, and the mesh settings from
+//!   annotations: `tether.io/global-id`, `tether.io/multicluster-mode`
+//!   (`balanced`/`failover`), `tether.io/opaque-ports` (`5432,6379`),
+//!   `tether.io/retry-budget` (`RATIO` or `RATIO/MIN_PER_SECOND`).
+//! - Its EndpointSlices (label `kubernetes.io/service-name`) give the
+//!   endpoints: address and target port, readiness from the endpoint
+//!   conditions, zone from the endpoint (set from the node) or its hints.
+//! - The Pod an endpoint points to gives the identity (its service
+//!   account) and whether it is meshed (it runs a `tether-proxy` container).
+//!
+//! The registry is loaded once all three kinds have been listed.
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::time::Instant;
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Client, ResourceExt};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use tether_core::authority::ServiceKey;
+use tether_core::registry::{EndpointSpec, MulticlusterMode, PortSpec, RetryBudget};
+
+use super::{Registry, RegistryError};
+use crate::index::{Index, ServiceState};
+use crate::metrics::ControlMetrics;
+
+pub const GLOBAL_ID: &str = "tether.io/global-id";
+pub const MODE: &str = "tether.io/multicluster-mode";
+pub const OPAQUE_PORTS: &str = "tether.io/opaque-ports";
+pub const RETRY_BUDGET: &str = "tether.io/retry-budget";
+const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// The container (or native-sidecar init container) that marks a meshed pod.
+pub const PROXY_CONTAINER: &str = "tether-proxy";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: String,
+}
+
+pub type WatchLag = Family<KindLabels, Histogram, crate::metrics::LatencyBuckets>;
+
+pub struct KubernetesRegistry {
+    client: Client,
+    trust_domain: String,
+    lag: WatchLag,
+    metrics: ControlMetrics,
+}
+
+impl KubernetesRegistry {
+    pub fn new(client: Client, trust_domain: &str, metrics: ControlMetrics, lag: WatchLag) -> Self {
+        Self {
+            client,
+            trust_domain: trust_domain.to_string(),
+            lag,
+            metrics,
+        }
+    }
+}
+
+// Events are moved through once, right away; boxing them buys nothing.
+#[allow(clippy::large_enum_variant)]
+enum Change {
+    Service(Event<Service>),
+    Slice(Event<EndpointSlice>),
+    Pod(Event<Pod>),
+}
+
+/// Everything watched, by namespace and name.
+#[derive(Default)]
+struct World {
+    services: HashMap<ServiceKey, Service>,
+    slices: HashMap<(String, String), EndpointSlice>,
+    pods: HashMap<(String, String), Pod>,
+}
+
+fn key_of<K: ResourceExt>(o: &K) -> (String, String) {
+    (o.namespace().unwrap_or_default(), o.name_any())
+}
+
+fn slice_service(slice: &EndpointSlice) -> Option<ServiceKey> {
+    let name = slice.labels().get(SERVICE_NAME_LABEL)?;
+    Some(ServiceKey::new(name, slice.namespace().unwrap_or_default()))
+}
+
+/// When the object last changed, for the watch-lag histogram.
+fn changed_at<K: ResourceExt>(o: &K) -> Option<k8s_openapi::jiff::Timestamp> {
+    let managed = o
+        .meta()
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter_map(|m| m.time.as_ref().map(|t| t.0));
+    managed
+        .chain(o.meta().creation_timestamp.as_ref().map(|t| t.0))
+        .max()
+}
+
+fn parse_retry_budget(v: &str) -> Option<RetryBudget> {
+    let (ratio, min) = match v.split_once('/') {
+        Some((r, m)) => (r.trim().parse().ok()?, m.trim().parse().ok()?),
+        None => (v.trim().parse().ok()?, 0),
+    };
+    Some(RetryBudget {
+        ratio,
+        min_per_second: min,
+    })
+}
+
+impl World {
+    fn state(&self, key: &ServiceKey, trust_domain: &str) -> Option<ServiceState> {
+        let svc = self.services.get(key)?;
+        let spec = svc.spec.as_ref()?;
+        let ann = svc.annotations();
+        let opaque: BTreeSet<u16> = ann
+            .get(OPAQUE_PORTS)
+            .map(|v| v.split(',').filter_map(|p| p.trim().parse().ok()).collect())
+            .unwrap_or_default();
+        let service_ports: Vec<&k8s_openapi::api::core::v1::ServicePort> = spec
+            .ports
+            .iter()
+            .flatten()
+            .filter(|p| p.protocol.as_deref().unwrap_or("TCP") == "TCP")
+            .collect();
+        let ports: Vec<PortSpec> = service_ports
+            .iter()
+            .filter_map(|p| u16::try_from(p.port).ok())
+            .map(|port| PortSpec {
+                port,
+                opaque: opaque.contains(&port),
+            })
+            .collect();
+        if ports.is_empty() {
+            return None;
+        }
+        let mut endpoints = Vec::new();
+        for slice in self
+            .slices
+            .values()
+            .filter(|s| slice_service(s).as_ref() == Some(key))
+        {
+            for sp in slice.ports.iter().flatten() {
+                let Some(target) = sp.port.and_then(|p| u16::try_from(p).ok()) else {
+                    continue;
+                };
+                // The service port this slice port serves: by name, or the only one.
+                let service_port = service_ports
+                    .iter()
+                    .find(|p| p.name == sp.name)
+                    .or_else(|| (service_ports.len() == 1).then(|| &service_ports[0]))
+                    .and_then(|p| u16::try_from(p.port).ok());
+                let Some(service_port) = service_port else {
+                    continue;
+                };
+                for ep in slice.endpoints.iter().flatten() {
+                    let ready = ep.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
+                    let pod = ep
+                        .target_ref
+                        .as_ref()
+                        .filter(|r| r.kind.as_deref() == Some("Pod"))
+                        .and_then(|r| {
+                            self.pods.get(&(
+                                r.namespace.clone().unwrap_or_else(|| key.namespace.clone()),
+                                r.name.clone()?,
+                            ))
+                        });
+                    let meshed = pod.is_some_and(|p| {
+                        p.spec.as_ref().is_some_and(|s| {
+                            s.containers
+                                .iter()
+                                .chain(s.init_containers.iter().flatten())
+                                .any(|c| c.name == PROXY_CONTAINER)
+                        })
+                    });
+                    let identity = pod.filter(|_| meshed).map(|p| {
+                        let sa = p
+                            .spec
+                            .as_ref()
+                            .and_then(|s| s.service_account_name.clone())
+                            .unwrap_or_else(|| "default".into());
+                        tether_identity_name(&sa, &key.namespace, trust_domain)
+                    });
+                    let zone = ep.zone.clone().or_else(|| {
+                        ep.hints
+                            .as_ref()
+                            .and_then(|h| h.for_zones.as_ref())
+                            .and_then(|z| z.first())
+                            .map(|z| z.name.clone())
+                    });
+                    for addr in &ep.addresses {
+                        let Ok(ip) = addr.parse::<IpAddr>() else {
+                            continue;
+                        };
+                        endpoints.push(EndpointSpec {
+                            address: SocketAddr::new(ip, target),
+                            port: Some(service_port),
+                            ready,
+                            identity: identity.clone(),
+                            zone: zone.clone(),
+                            weight: 1,
+                            meshed,
+                            name: ep.target_ref.as_ref().and_then(|r| r.name.clone()),
+                        });
+                    }
+                }
+            }
+        }
+        Some(ServiceState {
+            ports,
+            global_id: ann.get(GLOBAL_ID).cloned(),
+            mode: match ann.get(MODE).map(String::as_str) {
+                Some("failover") => Some(MulticlusterMode::Failover),
+                Some("balanced") => Some(MulticlusterMode::Balanced),
+                _ => None,
+            },
+            retry_budget: ann.get(RETRY_BUDGET).and_then(|v| parse_retry_budget(v)),
+            cluster_ip: spec
+                .cluster_ip
+                .as_deref()
+                .filter(|ip| *ip != "None")
+                .and_then(|ip| ip.parse().ok()),
+            endpoints,
+        })
+    }
+
+    /// Services a pod's endpoints belong to.
+    fn services_of_pod(&self, ns: &str, pod: &str) -> BTreeSet<ServiceKey> {
+        self.slices
+            .values()
+            .filter(|s| {
+                s.endpoints.iter().flatten().any(|e| {
+                    e.target_ref.as_ref().is_some_and(|r| {
+                        r.name.as_deref() == Some(pod) && r.namespace.as_deref().unwrap_or(ns) == ns
+                    })
+                })
+            })
+            .filter_map(slice_service)
+            .collect()
+    }
+}
+
+fn tether_identity_name(account: &str, namespace: &str, trust_domain: &str) -> String {
+    format!("{account}.{namespace}.serviceaccount.identity.{trust_domain}")
+}
+
+fn watch<K>(client: &Client) -> impl Stream<Item = Result<Event<K>, watcher::Error>> + Send
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + 'static,
+{
+    watcher::watcher(Api::<K>::all(client.clone()), watcher::Config::default()).default_backoff()
+}
+
+/// Applies one watch event of one kind to `world` (buffering a relist
+/// until it is complete); returns whether the kind finished a full list.
+fn apply<K: ResourceExt + Clone>(
+    map: &mut HashMap<(String, String), K>,
+    relist: &mut Option<HashMap<(String, String), K>>,
+    event: Event<K>,
+    touched: &mut Vec<K>,
+) -> bool {
+    match event {
+        Event::Init => *relist = Some(HashMap::new()),
+        Event::InitApply(o) => {
+            if let Some(r) = relist.as_mut() {
+                r.insert(key_of(&o), o);
+            }
+        }
+        Event::InitDone => {
+            if let Some(fresh) = relist.take() {
+                touched.extend(map.values().cloned());
+                touched.extend(fresh.values().cloned());
+                *map = fresh;
+            }
+            return true;
+        }
+        Event::Apply(o) => {
+            touched.push(o.clone());
+            if let Some(old) = map.insert(key_of(&o), o) {
+                touched.push(old);
+            }
+        }
+        Event::Delete(o) => {
+            touched.push(o.clone());
+            map.remove(&key_of(&o));
+        }
+    }
+    false
+}
+
+impl Registry for KubernetesRegistry {
+    async fn run(
+        self,
+        index: Index,
+        loaded: Box<dyn FnOnce() + Send>,
+    ) -> Result<(), RegistryError> {
+        let changes = futures::stream::select(
+            futures::stream::select(
+                watch::<Service>(&self.client).map(|e| e.map(Change::Service)),
+                watch::<EndpointSlice>(&self.client).map(|e| e.map(Change::Slice)),
+            ),
+            watch::<Pod>(&self.client).map(|e| e.map(Change::Pod)),
+        );
+        let mut changes = std::pin::pin!(changes);
+        let mut world = World::default();
+        let mut services: HashMap<(String, String), Service> = HashMap::new();
+        let (mut svc_relist, mut slice_relist, mut pod_relist) = (None, None, None);
+        let mut synced = [false; 3];
+        let mut loaded = Some(loaded);
+        while let Some(change) = changes.next().await {
+            let change = match change {
+                Ok(c) => c,
+                Err(e) => {
+                    self.metrics.registry_reload_errors.inc();
+                    tracing::warn!(error = %e, "Kubernetes watch failed; it is retried with backoff");
+                    continue;
+                }
+            };
+            let observed_at = Instant::now();
+            let mut affected = BTreeSet::new();
+            let kind = match &change {
+                Change::Service(_) => "Service",
+                Change::Slice(_) => "EndpointSlice",
+                Change::Pod(_) => "Pod",
+            };
+            let live = |e: &Change| {
+                matches!(
+                    e,
+                    Change::Service(Event::Apply(_) | Event::Delete(_))
+                        | Change::Slice(Event::Apply(_) | Event::Delete(_))
+                        | Change::Pod(Event::Apply(_) | Event::Delete(_))
+                )
+            };
+            let is_live = live(&change);
+            match change {
+                Change::Service(e) => {
+                    let mut touched = Vec::new();
+                    synced[0] |= apply(&mut services, &mut svc_relist, e, &mut touched);
+                    for s in &touched {
+                        if is_live {
+                            self.observe_lag(kind, s);
+                        }
+                        affected.insert(ServiceKey::new(
+                            s.name_any(),
+                            s.namespace().unwrap_or_default(),
+                        ));
+                    }
+                    world.services = services
+                        .values()
+                        .map(|s| {
+                            (
+                                ServiceKey::new(s.name_any(), s.namespace().unwrap_or_default()),
+                                s.clone(),
+                            )
+                        })
+                        .collect();
+                }
+                Change::Slice(e) => {
+                    let mut touched = Vec::new();
+                    synced[1] |= apply(&mut world.slices, &mut slice_relist, e, &mut touched);
+                    for s in &touched {
+                        if is_live {
+                            self.observe_lag(kind, s);
+                        }
+                        affected.extend(slice_service(s));
+                    }
+                }
+                Change::Pod(e) => {
+                    let mut touched = Vec::new();
+                    synced[2] |= apply(&mut world.pods, &mut pod_relist, e, &mut touched);
+                    for p in &touched {
+                        if is_live {
+                            self.observe_lag(kind, p);
+                        }
+                        let (ns, name) = key_of(p);
+                        affected.extend(world.services_of_pod(&ns, &name));
+                    }
+                }
+            }
+            for key in affected {
+                index.set_service_observed(
+                    &key,
+                    world.state(&key, &self.trust_domain),
+                    observed_at,
+                );
+            }
+            if synced.iter().all(|s| *s) {
+                if let Some(cb) = loaded.take() {
+                    tracing::info!(
+                        services = world.services.len(),
+                        "Kubernetes registry synced"
+                    );
+                    cb();
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl KubernetesRegistry {
+    fn observe_lag<K: ResourceExt>(&self, kind: &str, o: &K) {
+        if let Some(at) = changed_at(o) {
+            let lag = k8s_openapi::jiff::Timestamp::now()
+                .duration_since(at)
+                .as_secs_f64();
+            self.lag
+                .get_or_create(&KindLabels { kind: kind.into() })
+                .observe(lag.max(0.0));
+        }
+    }
+}

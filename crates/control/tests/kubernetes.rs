@@ -1,0 +1,429 @@
+//! The Kubernetes registry against a local test API server.
+//!
+//! The server here is a stand-in for a real Kubernetes API server, not one.
+//! It speaks the real list/watch protocol for Services, EndpointSlices and
+//! Pods: JSON of real Kubernetes objects (k8s-openapi types), list
+//! responses with a resourceVersion, watch streams of ADDED/MODIFIED/
+//! DELETED events resuming from a resourceVersion, BOOKMARK events, a watch
+//! that is dropped by the server, and `410 Gone` (an ERROR event with code
+//! 410, "Expired") for a resourceVersion older than its compaction point.
+//! It does not do authentication, field/label selectors, pagination
+//! beyond one page, or server-side apply.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use k8s_openapi::api::core::v1::{
+    Container, ObjectReference, Pod, PodSpec, Service, ServicePort, ServiceSpec,
+};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use tether_control::index::{Index, SlotKey};
+use tether_control::metrics::ControlMetrics;
+use tether_control::registry::kubernetes::{KubernetesRegistry, WatchLag};
+use tether_control::registry::Registry;
+use tether_core::authority::ServiceKey;
+use tokio::sync::Notify;
+
+const SERVICES: &str = "/api/v1/services";
+const SLICES: &str = "/apis/discovery.k8s.io/v1/endpointslices";
+const PODS: &str = "/api/v1/pods";
+
+#[derive(Default)]
+struct State {
+    rv: u64,
+    objects: BTreeMap<&'static str, BTreeMap<String, serde_json::Value>>,
+    events: Vec<(u64, &'static str, &'static str, serde_json::Value)>,
+    /// Watches from before this resourceVersion get 410 Gone.
+    compacted: u64,
+    /// Bumped to drop every open watch.
+    generation: u64,
+    bookmarks_requested: bool,
+    /// How many watches were answered 410 Gone.
+    gone: u64,
+    /// How many list requests were served.
+    lists: u64,
+}
+
+#[derive(Clone, Default)]
+struct ApiServer {
+    state: Arc<Mutex<State>>,
+    changed: Arc<Notify>,
+    /// Delays the first Pod list, to see that readiness waits for it.
+    slow_pods: Arc<AtomicBool>,
+}
+
+fn list_kind(path: &str) -> (&'static str, &'static str, &'static str) {
+    match path {
+        SERVICES => ("v1", "ServiceList", "Service"),
+        SLICES => ("discovery.k8s.io/v1", "EndpointSliceList", "EndpointSlice"),
+        _ => ("v1", "PodList", "Pod"),
+    }
+}
+
+impl ApiServer {
+    fn upsert(&self, path: &'static str, object: impl serde::Serialize) {
+        let mut v = serde_json::to_value(object).unwrap();
+        let mut s = self.state.lock().unwrap();
+        s.rv += 1;
+        let rv = s.rv;
+        v["metadata"]["resourceVersion"] = rv.to_string().into();
+        let key = format!(
+            "{}/{}",
+            v["metadata"]["namespace"].as_str().unwrap(),
+            v["metadata"]["name"].as_str().unwrap()
+        );
+        let existed = s
+            .objects
+            .entry(path)
+            .or_default()
+            .insert(key, v.clone())
+            .is_some();
+        s.events
+            .push((rv, path, if existed { "MODIFIED" } else { "ADDED" }, v));
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// Drops every watch and forgets history: old resourceVersions are gone.
+    fn compact_and_drop(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.compacted = s.rv + 1;
+        s.generation += 1;
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    async fn serve(self, listener: tokio::net::TcpListener) {
+        while let Ok((stream, _)) = listener.accept().await {
+            let this = self.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let this = this.clone();
+                    async move { Ok::<_, Infallible>(this.handle(req).await) }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    }
+
+    async fn handle(
+        &self,
+        req: http::Request<hyper::body::Incoming>,
+    ) -> http::Response<http_body_util::combinators::BoxBody<Bytes, Infallible>> {
+        let path: &'static str = match req.uri().path() {
+            SERVICES => SERVICES,
+            SLICES => SLICES,
+            PODS => PODS,
+            other => {
+                let body = format!("{{\"kind\":\"Status\",\"apiVersion\":\"v1\",\"status\":\"Failure\",\"message\":\"no {other}\",\"code\":404}}");
+                return http::Response::builder()
+                    .status(404)
+                    .body(http_body_util::Full::new(Bytes::from(body)).boxed())
+                    .unwrap();
+            }
+        };
+        let query: BTreeMap<String, String> = req
+            .uri()
+            .query()
+            .unwrap_or("")
+            .split('&')
+            .filter_map(|kv| {
+                kv.split_once('=')
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+            })
+            .collect();
+        let (api_version, list, kind) = list_kind(path);
+        if query.get("watch").map(String::as_str) != Some("true") {
+            if path == PODS && self.slow_pods.swap(false, Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(700)).await;
+            }
+            let mut s = self.state.lock().unwrap();
+            s.lists += 1;
+            let items: Vec<_> = s
+                .objects
+                .get(path)
+                .map(|m| m.values().cloned().collect())
+                .unwrap_or_default();
+            let body = serde_json::json!({
+                "apiVersion": api_version, "kind": list,
+                "metadata": {"resourceVersion": s.rv.to_string()},
+                "items": items,
+            });
+            return http::Response::builder()
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(Bytes::from(body.to_string())).boxed())
+                .unwrap();
+        }
+        // A watch: stream events after the given resourceVersion.
+        let from: u64 = query
+            .get("resourceVersion")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(64);
+        let this = self.clone();
+        let line = |v: serde_json::Value| Ok(Frame::data(Bytes::from(format!("{v}\n"))));
+        {
+            let mut s = this.state.lock().unwrap();
+            s.bookmarks_requested |=
+                query.get("allowWatchBookmarks").map(String::as_str) == Some("true");
+            if from < s.compacted {
+                s.gone += 1;
+                let gone = serde_json::json!({"type": "ERROR", "object": {
+                    "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                    "message": format!("too old resource version: {from}"), "reason": "Expired", "code": 410,
+                }});
+                let _ = tx.try_send(line(gone));
+                drop(tx);
+                return http::Response::builder()
+                    .header("content-type", "application/json")
+                    .body(StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed())
+                    .unwrap();
+            }
+        }
+        tokio::spawn(async move {
+            let generation = this.state.lock().unwrap().generation;
+            let mut sent = from;
+            let mut bookmark = tokio::time::interval(Duration::from_millis(200));
+            loop {
+                let (pending, gen, rv): (Vec<_>, u64, u64) = {
+                    let s = this.state.lock().unwrap();
+                    let pending = s
+                        .events
+                        .iter()
+                        .filter(|(rv, p, _, _)| *p == path && *rv > sent)
+                        .map(|(rv, _, t, o)| (*rv, *t, o.clone()))
+                        .collect();
+                    (pending, s.generation, s.rv)
+                };
+                if gen != generation {
+                    return; // the server drops this watch
+                }
+                for (rv, t, o) in pending {
+                    if tx
+                        .send(line(serde_json::json!({"type": t, "object": o})))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    sent = rv;
+                }
+                tokio::select! {
+                    _ = this.changed.notified() => {}
+                    _ = bookmark.tick() => {
+                        let mark = serde_json::json!({"type": "BOOKMARK", "object": {
+                            "apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": rv.to_string()},
+                        }});
+                        if tx.send(line(mark)).await.is_err() {
+                            return;
+                        }
+                        sent = sent.max(rv);
+                    }
+                }
+            }
+        });
+        http::Response::builder()
+            .header("content-type", "application/json")
+            .body(StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx)).boxed())
+            .unwrap()
+    }
+}
+
+fn meta(name: &str) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.into()),
+        namespace: Some("demo".into()),
+        ..Default::default()
+    }
+}
+
+fn service() -> Service {
+    let mut m = meta("web");
+    m.annotations = Some(BTreeMap::from([
+        ("tether.io/global-id".to_string(), "web-global".to_string()),
+        ("tether.io/opaque-ports".to_string(), "5432".to_string()),
+    ]));
+    Service {
+        metadata: m,
+        spec: Some(ServiceSpec {
+            cluster_ip: Some("10.96.0.10".into()),
+            ports: Some(vec![ServicePort {
+                name: Some("http".into()),
+                port: 80,
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn pod(name: &str) -> Pod {
+    Pod {
+        metadata: meta(name),
+        spec: Some(PodSpec {
+            service_account_name: Some("web".into()),
+            containers: vec![
+                Container {
+                    name: "app".into(),
+                    ..Default::default()
+                },
+                Container {
+                    name: "tether-proxy".into(),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn slice(endpoints: &[(&str, &str, bool)]) -> EndpointSlice {
+    let mut m = meta("web-abcde");
+    m.labels = Some(BTreeMap::from([(
+        "kubernetes.io/service-name".to_string(),
+        "web".to_string(),
+    )]));
+    EndpointSlice {
+        metadata: m,
+        address_type: "IPv4".into(),
+        endpoints: Some(
+            endpoints
+                .iter()
+                .map(|(ip, pod, ready)| Endpoint {
+                    addresses: vec![ip.to_string()],
+                    conditions: Some(EndpointConditions {
+                        ready: Some(*ready),
+                        ..Default::default()
+                    }),
+                    target_ref: Some(ObjectReference {
+                        kind: Some("Pod".into()),
+                        name: Some(pod.to_string()),
+                        namespace: Some("demo".into()),
+                        ..Default::default()
+                    }),
+                    zone: Some("zone-a".into()),
+                    ..Default::default()
+                })
+                .collect(),
+        ),
+        ports: Some(vec![EndpointPort {
+            name: Some("http".into()),
+            port: Some(8080),
+            ..Default::default()
+        }]),
+    }
+}
+
+async fn eventually(mut check: impl FnMut() -> bool) -> bool {
+    for _ in 0..200 {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+#[tokio::test]
+async fn watches_services_slices_and_pods_through_gone_and_dropped_watches() {
+    let api = ApiServer::default();
+    api.upsert(SERVICES, service());
+    api.upsert(PODS, pod("web-0"));
+    api.upsert(PODS, pod("web-1"));
+    api.upsert(SLICES, slice(&[("10.1.0.5", "web-0", true)]));
+    api.slow_pods.store(true, Ordering::SeqCst);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(api.clone().serve(listener));
+
+    let metrics = ControlMetrics::default();
+    let index = Index::new(metrics.clone());
+    let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
+    let lag = WatchLag::new_with_constructor(tether_control::metrics::LatencyBuckets);
+    let registry = KubernetesRegistry::new(client, "cluster.local", metrics.clone(), lag);
+    let loaded = Arc::new(AtomicBool::new(false));
+    let flag = loaded.clone();
+    tokio::spawn(registry.run(
+        index.clone(),
+        Box::new(move || flag.store(true, Ordering::SeqCst)),
+    ));
+
+    // Not loaded while one kind (Pods) has not been listed yet.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !loaded.load(Ordering::SeqCst),
+        "loaded before the first full sync"
+    );
+    assert!(
+        eventually(|| loaded.load(Ordering::SeqCst)).await,
+        "never loaded"
+    );
+
+    let key = SlotKey::Service(ServiceKey::new("web", "demo"));
+    let snap = index.snapshot(&key, 80);
+    let ep = snap
+        .endpoints
+        .get(&"10.1.0.5:8080".parse().unwrap())
+        .expect("the endpoint");
+    assert_eq!(
+        ep.identity.as_deref(),
+        Some("web.demo.serviceaccount.identity.cluster.local")
+    );
+    assert!(ep.meshed);
+    assert_eq!(ep.zone.as_deref(), Some("zone-a"));
+    let state = index.service(&ServiceKey::new("web", "demo")).unwrap();
+    assert_eq!(state.global_id.as_deref(), Some("web-global"));
+    assert_eq!(state.cluster_ip, Some("10.96.0.10".parse().unwrap()));
+
+    // A change arrives through the watch; readiness comes from conditions.
+    api.upsert(
+        SLICES,
+        slice(&[("10.1.0.5", "web-0", true), ("10.1.0.6", "web-1", false)]),
+    );
+    assert!(
+        eventually(|| index
+            .service(&ServiceKey::new("web", "demo"))
+            .is_some_and(|s| s.endpoints.len() == 2))
+        .await
+    );
+    assert_eq!(
+        index.snapshot(&key, 80).endpoints.len(),
+        1,
+        "a not-ready endpoint is not served"
+    );
+    api.upsert(
+        SLICES,
+        slice(&[("10.1.0.5", "web-0", true), ("10.1.0.6", "web-1", true)]),
+    );
+    assert!(eventually(|| index.snapshot(&key, 80).endpoints.len() == 2).await);
+
+    // The server drops every watch and compacts its history; meanwhile the
+    // endpoint set changes. Resuming fails with 410 Gone, the watcher
+    // relists, and the index converges.
+    api.compact_and_drop();
+    api.upsert(SLICES, slice(&[("10.1.0.6", "web-1", true)]));
+    assert!(
+        eventually(|| {
+            let s = index.snapshot(&key, 80);
+            s.endpoints.len() == 1 && s.endpoints.contains_key(&"10.1.0.6:8080".parse().unwrap())
+        })
+        .await,
+        "the registry did not converge after a dropped watch and 410 Gone"
+    );
+    let s = api.state.lock().unwrap();
+    assert!(s.bookmarks_requested, "watches did not ask for bookmarks");
+    assert!(s.gone >= 1, "no watch was answered 410 Gone");
+    assert!(s.lists >= 4, "no relist after 410 Gone ({} lists)", s.lists);
+}
