@@ -56,6 +56,10 @@ enum Command {
         /// configuration, else the kubeconfig).
         #[arg(long)]
         kube_api: Option<String>,
+        /// With --registry kubernetes: the audience of the projected
+        /// ServiceAccount tokens Certify accepts (checked through TokenReview).
+        #[arg(long, default_value = "tether.io")]
+        token_audience: String,
         /// gRPC listen address (Destination and policy APIs).
         #[arg(long, default_value = "127.0.0.1:8086")]
         grpc: SocketAddr,
@@ -372,6 +376,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Control {
             registry,
             kube_api,
+            token_audience,
             grpc,
             admin,
             cluster_domain,
@@ -410,6 +415,7 @@ async fn main() -> anyhow::Result<()> {
             let config = tether_control::ControlConfig {
                 registry_dir: registry,
                 kube_api,
+                token_audience,
                 grpc_addr: grpc,
                 admin_addr: admin,
                 cluster_domain,

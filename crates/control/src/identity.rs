@@ -57,9 +57,89 @@ impl IdentityMetrics {
 #[derive(Clone)]
 pub struct IdentityService {
     pub issuer: Arc<Issuer>,
-    pub tokens: Arc<dyn TokenValidator>,
+    pub tokens: Tokens,
     pub leaf_lifetime: Duration,
     pub metrics: IdentityMetrics,
+}
+
+/// Who vouches for a Certify request's token.
+#[derive(Clone)]
+pub enum Tokens {
+    /// Local bootstrap tokens (`tether identity token`).
+    Local(Arc<dyn TokenValidator>),
+    /// Kubernetes: a projected ServiceAccount token, checked through the
+    /// TokenReview API for the mesh's audience.
+    Kubernetes(KubeTokenReview),
+}
+
+impl Tokens {
+    /// The identity the token allows, or why it allows none.
+    pub async fn validate(&self, token: &[u8]) -> Result<String, String> {
+        match self {
+            Tokens::Local(v) => v.validate(token).map_err(|e| e.to_string()),
+            Tokens::Kubernetes(k) => k.validate(token).await,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct KubeTokenReview {
+    pub client: kube::Client,
+    pub audience: String,
+    pub trust_domain: String,
+}
+
+impl KubeTokenReview {
+    async fn validate(&self, token: &[u8]) -> Result<String, String> {
+        use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+        let token = std::str::from_utf8(token)
+            .map_err(|_| "token is not UTF-8".to_string())?
+            .trim();
+        if token.is_empty() {
+            return Err("token is empty".into());
+        }
+        let review = TokenReview {
+            spec: TokenReviewSpec {
+                token: token.to_string(),
+                audiences: Some(vec![self.audience.clone()]),
+            },
+            ..Default::default()
+        };
+        let api: kube::Api<TokenReview> = kube::Api::all(self.client.clone());
+        let answer = api
+            .create(&kube::api::PostParams::default(), &review)
+            .await
+            .map_err(|e| format!("TokenReview failed: {e}"))?;
+        let status = answer.status.unwrap_or_default();
+        if status.authenticated != Some(true) {
+            return Err(format!(
+                "the API server did not authenticate the token{}",
+                status.error.map(|e| format!(": {e}")).unwrap_or_default()
+            ));
+        }
+        if !status
+            .audiences
+            .iter()
+            .flatten()
+            .any(|a| *a == self.audience)
+        {
+            return Err(format!("the token is not for audience {:?}", self.audience));
+        }
+        let username = status.user.and_then(|u| u.username).unwrap_or_default();
+        let mut parts = username.split(':');
+        match (
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ) {
+            (Some("system"), Some("serviceaccount"), Some(ns), Some(sa), None) => {
+                Ok(tether_identity::identity_name(sa, ns, &self.trust_domain))
+            }
+            _ => Err(format!("{username:?} is not a ServiceAccount")),
+        }
+    }
 }
 
 fn timestamp(t: std::time::SystemTime) -> prost_types::Timestamp {
@@ -78,7 +158,7 @@ impl Identity for IdentityService {
     ) -> Result<Response<CertifyResponse>, Status> {
         let req = req.into_inner();
         let m = &self.metrics;
-        let allowed = self.tokens.validate(&req.token).map_err(|e| {
+        let allowed = self.tokens.validate(&req.token).await.map_err(|e| {
             m.refuse(
                 "token",
                 Status::unauthenticated(format!("invalid token: {e}")),

@@ -23,6 +23,9 @@ pub struct ControlConfig {
     /// With the Kubernetes registry: the API server's URL (default: in-cluster
     /// configuration or the kubeconfig).
     pub kube_api: Option<String>,
+    /// With the Kubernetes registry, Certify accepts ServiceAccount tokens
+    /// for this audience (checked through TokenReview).
+    pub token_audience: String,
     pub grpc_addr: SocketAddr,
     pub admin_addr: SocketAddr,
     pub cluster_domain: String,
@@ -70,18 +73,45 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         }
         .into());
     }
+    let kube_client = if kubernetes {
+        Some(match &config.kube_api {
+            Some(url) => {
+                let uri = url.parse().map_err(|_| {
+                    ControlError::Kubernetes(format!("--kube-api {url:?} is not a URL"))
+                })?;
+                kube::Client::try_from(kube::Config::new(uri))
+                    .map_err(|e| ControlError::Kubernetes(e.to_string()))?
+            }
+            None => kube::Client::try_default().await.map_err(|e| {
+                ControlError::Kubernetes(format!("no in-cluster configuration or kubeconfig: {e}"))
+            })?,
+        })
+    } else {
+        None
+    };
     let identity_metrics = crate::identity::IdentityMetrics::default();
     let mut issuer_for_links = None;
     let identity = match &config.identity_dir {
         Some(dir) => {
             let issuer = Arc::new(tether_identity::ca::Issuer::load(dir)?);
             issuer_for_links = Some(issuer.clone());
-            let tokens = tether_identity::token::LocalTokens::load(dir)
-                .map_err(ControlError::TokenSecret)?;
+            let tokens = match &kube_client {
+                Some(client) => {
+                    crate::identity::Tokens::Kubernetes(crate::identity::KubeTokenReview {
+                        client: client.clone(),
+                        audience: config.token_audience.clone(),
+                        trust_domain: config.cluster_domain.clone(),
+                    })
+                }
+                None => crate::identity::Tokens::Local(Arc::new(
+                    tether_identity::token::LocalTokens::load(dir)
+                        .map_err(ControlError::TokenSecret)?,
+                )),
+            };
             tracing::info!(dir = %dir.display(), "identity: issuing certificates");
             Some(IdentityServer::new(crate::identity::IdentityService {
                 issuer,
-                tokens: Arc::new(tokens),
+                tokens,
                 leaf_lifetime: config.leaf_lifetime,
                 metrics: identity_metrics.clone(),
             }))
@@ -162,19 +192,7 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         ready.set(LOADED, true);
         let _ = loaded_tx.send(());
     });
-    let mut registry_task = if kubernetes {
-        let client = match &config.kube_api {
-            Some(url) => {
-                let uri = url.parse().map_err(|_| {
-                    ControlError::Kubernetes(format!("--kube-api {url:?} is not a URL"))
-                })?;
-                kube::Client::try_from(kube::Config::new(uri))
-                    .map_err(|e| ControlError::Kubernetes(e.to_string()))?
-            }
-            None => kube::Client::try_default().await.map_err(|e| {
-                ControlError::Kubernetes(format!("no in-cluster configuration or kubeconfig: {e}"))
-            })?,
-        };
+    let mut registry_task = if let Some(client) = kube_client {
         let k8s = crate::registry::kubernetes::KubernetesRegistry::new(
             client,
             &config.cluster_domain,

@@ -35,6 +35,7 @@ use tokio::sync::Notify;
 const SERVICES: &str = "/api/v1/services";
 const SLICES: &str = "/apis/discovery.k8s.io/v1/endpointslices";
 const PODS: &str = "/api/v1/pods";
+const TOKEN_REVIEWS: &str = "/apis/authentication.k8s.io/v1/tokenreviews";
 
 #[derive(Default)]
 struct State {
@@ -120,6 +121,30 @@ impl ApiServer {
         &self,
         req: http::Request<hyper::body::Incoming>,
     ) -> http::Response<http_body_util::combinators::BoxBody<Bytes, Infallible>> {
+        if req.uri().path() == TOKEN_REVIEWS && req.method() == http::Method::POST {
+            let body = req
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let review: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            let token = review["spec"]["token"].as_str().unwrap_or("");
+            let status = match token {
+                "sa-token-web" => serde_json::json!({"authenticated": true,
+                    "user": {"username": "system:serviceaccount:demo:web"}, "audiences": ["tether.io"]}),
+                "sa-token-other-audience" => serde_json::json!({"authenticated": true,
+                    "user": {"username": "system:serviceaccount:demo:web"}, "audiences": ["vault"]}),
+                _ => serde_json::json!({"authenticated": false, "error": "invalid bearer token"}),
+            };
+            let mut answer = review.clone();
+            answer["status"] = status;
+            return http::Response::builder()
+                .status(201)
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(Bytes::from(answer.to_string())).boxed())
+                .unwrap();
+        }
         let path: &'static str = match req.uri().path() {
             SERVICES => SERVICES,
             SLICES => SLICES,
@@ -426,4 +451,68 @@ async fn watches_services_slices_and_pods_through_gone_and_dropped_watches() {
     assert!(s.bookmarks_requested, "watches did not ask for bookmarks");
     assert!(s.gone >= 1, "no watch was answered 410 Gone");
     assert!(s.lists >= 4, "no relist after 410 Gone ({} lists)", s.lists);
+}
+
+#[tokio::test]
+async fn certify_checks_service_account_tokens_through_token_review() {
+    use linkerd2_proxy_api::identity::{identity_server::Identity, CertifyRequest};
+    use tether_control::identity::{IdentityMetrics, IdentityService, KubeTokenReview, Tokens};
+
+    let api = ApiServer::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(api.clone().serve(listener));
+    let dir = tempfile::tempdir().unwrap();
+    tether_identity::ca::init(&tether_identity::ca::InitOptions::new(
+        dir.path(),
+        "cluster.local",
+    ))
+    .unwrap();
+    let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
+    let metrics = IdentityMetrics::default();
+    let svc = IdentityService {
+        issuer: Arc::new(tether_identity::ca::Issuer::load(dir.path()).unwrap()),
+        tokens: Tokens::Kubernetes(KubeTokenReview {
+            client,
+            audience: "tether.io".into(),
+            trust_domain: "cluster.local".into(),
+        }),
+        leaf_lifetime: Duration::from_secs(60),
+        metrics: metrics.clone(),
+    };
+    let web = "web.demo.serviceaccount.identity.cluster.local";
+    let certify = |token: &str, identity: &str| {
+        let req = CertifyRequest {
+            identity: identity.into(),
+            token: token.as_bytes().to_vec(),
+            certificate_signing_request: tether_identity::csr::generate(identity).unwrap().csr_der,
+        };
+        let svc = svc.clone();
+        async move { svc.certify(tonic::Request::new(req)).await }
+    };
+
+    let issued = certify("sa-token-web", web)
+        .await
+        .expect("a valid ServiceAccount token is certified");
+    assert_eq!(
+        tether_identity::cert::dns_names(&issued.into_inner().leaf_certificate),
+        vec![web.to_string()]
+    );
+
+    let e = certify(
+        "sa-token-web",
+        "db.demo.serviceaccount.identity.cluster.local",
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    let e = certify("forged", web).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated);
+    assert!(
+        e.message().contains("invalid bearer token"),
+        "{}",
+        e.message()
+    );
+    let e = certify("sa-token-other-audience", web).await.unwrap_err();
+    assert!(e.message().contains("audience"), "{}", e.message());
 }
