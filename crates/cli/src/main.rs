@@ -227,6 +227,33 @@ enum Command {
         #[command(subcommand)]
         command: DiagnosticsCommand,
     },
+    /// Print the Kubernetes manifests of the control plane and gateway (`| kubectl apply -f -`).
+    Install {
+        /// The identity directory from `tether identity init` (its trust root and issuer become Secrets).
+        #[arg(long)]
+        identity: PathBuf,
+        #[arg(long, default_value = "tether-system")]
+        namespace: String,
+        /// High availability: 3 control-plane replicas, a PodDisruptionBudget, anti-affinity.
+        #[arg(long)]
+        ha: bool,
+        #[arg(long, default_value = concat!("tether:", env!("CARGO_PKG_VERSION")))]
+        image: String,
+        #[arg(long, default_value = "cluster.local")]
+        cluster_domain: String,
+    },
+    /// Add the proxy (native sidecar) and `tether init` to workload manifests (FILE, or - for stdin).
+    Inject {
+        #[arg(default_value = "-")]
+        file: PathBuf,
+        #[arg(long, default_value = concat!("tether:", env!("CARGO_PKG_VERSION")))]
+        image: String,
+        /// The control plane's namespace.
+        #[arg(long, default_value = "tether-system")]
+        control_namespace: String,
+        #[arg(long, default_value = "cluster.local")]
+        cluster_domain: String,
+    },
     /// Program iptables for transparent interception (what a sidecar's init container does).
     Init {
         /// The proxy's user id; its own traffic is never redirected.
@@ -601,6 +628,43 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::ensure!(ok, "some replicas could not be read");
             }
         },
+        Command::Install {
+            identity,
+            namespace,
+            ha,
+            image,
+            cluster_domain,
+        } => {
+            print!(
+                "{}",
+                tether_ops::kube::install(&tether_ops::kube::InstallOptions {
+                    namespace,
+                    image,
+                    ha,
+                    identity_dir: identity,
+                    cluster_domain,
+                })?
+            );
+        }
+        Command::Inject {
+            file,
+            image,
+            control_namespace,
+            cluster_domain,
+        } => {
+            let input = tether_ops::kube::read_input(&file)?;
+            print!(
+                "{}",
+                tether_ops::kube::inject(
+                    &input,
+                    &tether_ops::kube::InjectOptions {
+                        image,
+                        control_namespace,
+                        cluster_domain,
+                    }
+                )?
+            );
+        }
         Command::Init {
             proxy_uid,
             outbound_port,

@@ -4,8 +4,10 @@
 //!   replica's view of a service, the differences between replicas and
 //!   against the registry) and `tether diagnostics controller-metrics`.
 //! - [`check`]: `tether check`, the mesh's health with a hint per failure.
+//! - [`kube`]: `tether install` and `tether inject`, Kubernetes manifests.
 //! - [`init`]: `tether init`, the iptables rules of transparent interception.
 
 pub mod check;
 pub mod diagnostics;
 pub mod init;
+pub mod kube;
