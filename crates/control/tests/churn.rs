@@ -282,9 +282,6 @@ async fn run(ops: Vec<Op>) {
         .filter(|s| s.kind == Kind::Stalled)
         .map(|s| s.received.load(Ordering::SeqCst))
         .collect();
-    // A change every subscriber of service 0 must see.
-    apply(&mut model, &Op::CreateService(0));
-    apply(&mut model, &Op::Add(0, ENDPOINTS + 1));
     for (i, op) in ops[third..2 * third].iter().enumerate() {
         apply(&mut model, op);
         if i == third / 2 {
@@ -298,6 +295,11 @@ async fn run(ops: Vec<Op>) {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
+    // A change every subscriber of service 0 must see, made last so no
+    // later change can undo it (a subscriber that slept through a change
+    // and its undoing rightly sees nothing).
+    apply(&mut model, &Op::CreateService(0));
+    apply(&mut model, &Op::Add(0, ENDPOINTS + 1));
     // Fast subscribers got changes while the stalled ones were stuck.
     let fast_ok = eventually(|| {
         subs.iter()
