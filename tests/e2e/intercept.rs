@@ -254,8 +254,47 @@ async fn curl_to_a_cluster_ip_is_intercepted_and_meshed() {
         "exactly one outbound request (no loop):\n{m}"
     );
 
+    // A pod's own address goes straight to that endpoint, still meshed.
+    let (ok, out) = curl(&ns, &format!("http://{ip}:4143/direct"));
+    assert!(ok && out.contains("tether-demo-replica: web-0"), "{out}");
+    assert!(
+        out.contains(&format!("\"client_id\":\"{client_id}\"")),
+        "{out}"
+    );
+
     // A destination outside the mesh is passed through as opaque TCP.
     let (ok, out) = curl(&ns, &format!("http://{ip}:9000/"));
     assert!(ok && out.contains("tether-demo-replica: outside"), "{out}");
+
+    // Under mandatory TLS it is refused instead: no plaintext leaves.
+    let mut client = client;
+    client.stop(std::time::Duration::from_secs(5)).await;
+    let mut args = proxy("client", client_id, None);
+    args.extend(["--tls".to_string(), "mandatory".to_string()]);
+    let strict = spawn_as_proxy(&scratch, &ns, "strict", &args, &["outbound", "admin"]).await;
+    assert!(
+        eventually(std::time::Duration::from_secs(15), || async {
+            ready_body(strict.addr("admin")).await.0 == 200
+        })
+        .await
+    );
+    let (ok, out) = curl(&ns, &format!("http://{ip}:9000/"));
+    assert!(
+        !ok && !out.contains("outside"),
+        "mandatory TLS let plaintext out:\n{out}"
+    );
+    let m = metrics(strict.addr("admin")).await;
+    assert_eq!(
+        metric_value(
+            &m,
+            "tether_proxy_inbound_refused_total",
+            &[("reason", "mandatory_tls_unknown_destination")]
+        ),
+        1.0,
+        "{m}"
+    );
+    // The meshed service still works under mandatory TLS.
+    let (ok, out) = curl(&ns, "http://10.96.0.10:80/");
+    assert!(ok && out.contains("tether-demo-replica: web-0"), "{out}");
     drop((control, outside));
 }
