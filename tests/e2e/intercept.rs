@@ -287,7 +287,7 @@ async fn curl_to_a_cluster_ip_is_intercepted_and_meshed() {
     assert_eq!(
         metric_value(
             &m,
-            "tether_proxy_inbound_refused_total",
+            "tether_proxy_outbound_refused_total",
             &[("reason", "mandatory_tls_unknown_destination")]
         ),
         1.0,

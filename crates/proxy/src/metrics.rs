@@ -71,6 +71,7 @@ pub struct ProxyMetrics {
     pub open_connections: Family<DirectionLabels, Gauge>,
     pub tcp_bytes: Family<DirectionLabels, Counter>,
     pub inbound_refused: Family<ReasonLabels, Counter>,
+    pub outbound_refused: Family<ReasonLabels, Counter>,
     pub failfast: Family<AuthorityLabels, Gauge>,
     pub failfast_transitions: Family<TransitionLabels, Counter>,
     pub discovery_age: Family<AuthorityLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
@@ -93,6 +94,7 @@ impl Default for ProxyMetrics {
             open_connections: Family::default(),
             tcp_bytes: Family::default(),
             inbound_refused: Family::default(),
+            outbound_refused: Family::default(),
             failfast: Family::default(),
             failfast_transitions: Family::default(),
             discovery_age: Family::default(),
@@ -128,6 +130,11 @@ impl ProxyMetrics {
             "tether_proxy_inbound_refused",
             "Inbound connections refused, by reason (plaintext under mandatory TLS, TLS handshake failure)",
             self.inbound_refused.clone(),
+        );
+        registry.register(
+            "tether_proxy_outbound_refused",
+            "Outbound connections refused, by reason (plaintext to a destination outside the mesh under mandatory TLS)",
+            self.outbound_refused.clone(),
         );
         registry.register(
             "tether_proxy_failfast",
@@ -167,6 +174,15 @@ impl ProxyMetrics {
 
     pub fn discovery_reconnect(&self, reason: &str) {
         self.discovery_reconnects
+            .get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    /// Counts an outbound connection the proxy would not make.
+    pub fn refuse_outbound(&self, reason: &str) {
+        self.outbound_refused
             .get_or_create(&ReasonLabels {
                 reason: reason.into(),
             })

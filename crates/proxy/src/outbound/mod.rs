@@ -143,7 +143,8 @@ impl Outbound {
             Ok(eps) => eps,
             Err(ProxyError::UnknownService(_) | ProxyError::ControlPlaneUnreachable) => {
                 if self.connector.is_mandatory() {
-                    self.metrics.refuse("mandatory_tls_unknown_destination");
+                    self.metrics
+                        .refuse_outbound("mandatory_tls_unknown_destination");
                     tracing::warn!(%dst, "refused: {dst} is not in the mesh and TLS is mandatory, so it cannot be reached in plaintext");
                     return;
                 }
