@@ -321,11 +321,14 @@ pub async fn get(connect: SocketAddr, authority: &str) -> Answer {
         .unwrap()
 }
 
-/// A loopback address nobody listens on (free when this returns). It is
-/// on 127.0.0.3, where nothing else in the tests binds, so the port cannot
-/// be taken meanwhile by another test's listener.
+/// A loopback address nobody listens on (free when this returns). Each
+/// call gets its own loopback IP (127.1.x.y), so two tests can never be
+/// handed the same address, even when the OS reuses a port number.
 pub fn free_port() -> SocketAddr {
-    std::net::TcpListener::bind("127.0.0.3:0")
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let ip = std::net::Ipv4Addr::new(127, 1, (n >> 8) as u8, (n & 0xff) as u8);
+    std::net::TcpListener::bind((ip, 0))
         .unwrap()
         .local_addr()
         .unwrap()
