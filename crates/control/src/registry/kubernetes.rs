@@ -79,7 +79,7 @@ enum Change {
 /// Everything watched, by namespace and name.
 #[derive(Default)]
 struct World {
-    services: HashMap<ServiceKey, Service>,
+    services: HashMap<(String, String), Service>,
     slices: HashMap<(String, String), EndpointSlice>,
     pods: HashMap<(String, String), Pod>,
 }
@@ -119,7 +119,9 @@ fn parse_retry_budget(v: &str) -> Option<RetryBudget> {
 
 impl World {
     fn state(&self, key: &ServiceKey, trust_domain: &str) -> Option<ServiceState> {
-        let svc = self.services.get(key)?;
+        let svc = self
+            .services
+            .get(&(key.namespace.clone(), key.name.clone()))?;
         let spec = svc.spec.as_ref()?;
         let ann = svc.annotations();
         let opaque: BTreeSet<u16> = ann
@@ -188,7 +190,7 @@ impl World {
                             .as_ref()
                             .and_then(|s| s.service_account_name.clone())
                             .unwrap_or_else(|| "default".into());
-                        tether_identity_name(&sa, &key.namespace, trust_domain)
+                        tether_identity::identity_name(&sa, &key.namespace, trust_domain)
                     });
                     let zone = ep.zone.clone().or_else(|| {
                         ep.hints
@@ -249,10 +251,6 @@ impl World {
     }
 }
 
-fn tether_identity_name(account: &str, namespace: &str, trust_domain: &str) -> String {
-    format!("{account}.{namespace}.serviceaccount.identity.{trust_domain}")
-}
-
 fn watch<K>(client: &Client) -> impl Stream<Item = Result<Event<K>, watcher::Error>> + Send
 where
     K: kube::Resource<DynamicType = ()>
@@ -263,6 +261,12 @@ where
         + 'static,
 {
     watcher::watcher(Api::<K>::all(client.clone()), watcher::Config::default()).default_backoff()
+}
+
+/// Whether an event is a live change (not part of a (re)list), whose
+/// lag is worth measuring.
+fn is_live<K>(e: &Event<K>) -> bool {
+    matches!(e, Event::Apply(_) | Event::Delete(_))
 }
 
 /// Applies one watch event of one kind to `world` (buffering a relist
@@ -317,7 +321,6 @@ impl Registry for KubernetesRegistry {
         );
         let mut changes = std::pin::pin!(changes);
         let mut world = World::default();
-        let mut services: HashMap<(String, String), Service> = HashMap::new();
         let (mut svc_relist, mut slice_relist, mut pod_relist) = (None, None, None);
         let mut synced = [false; 3];
         let mut loaded = Some(loaded);
@@ -332,59 +335,39 @@ impl Registry for KubernetesRegistry {
             };
             let observed_at = Instant::now();
             let mut affected = BTreeSet::new();
-            let kind = match &change {
-                Change::Service(_) => "Service",
-                Change::Slice(_) => "EndpointSlice",
-                Change::Pod(_) => "Pod",
-            };
-            let live = |e: &Change| {
-                matches!(
-                    e,
-                    Change::Service(Event::Apply(_) | Event::Delete(_))
-                        | Change::Slice(Event::Apply(_) | Event::Delete(_))
-                        | Change::Pod(Event::Apply(_) | Event::Delete(_))
-                )
-            };
-            let is_live = live(&change);
             match change {
                 Change::Service(e) => {
+                    let live = is_live(&e);
                     let mut touched = Vec::new();
-                    synced[0] |= apply(&mut services, &mut svc_relist, e, &mut touched);
+                    synced[0] |= apply(&mut world.services, &mut svc_relist, e, &mut touched);
                     for s in &touched {
-                        if is_live {
-                            self.observe_lag(kind, s);
+                        if live {
+                            self.observe_lag("Service", s);
                         }
                         affected.insert(ServiceKey::new(
                             s.name_any(),
                             s.namespace().unwrap_or_default(),
                         ));
                     }
-                    world.services = services
-                        .values()
-                        .map(|s| {
-                            (
-                                ServiceKey::new(s.name_any(), s.namespace().unwrap_or_default()),
-                                s.clone(),
-                            )
-                        })
-                        .collect();
                 }
                 Change::Slice(e) => {
+                    let live = is_live(&e);
                     let mut touched = Vec::new();
                     synced[1] |= apply(&mut world.slices, &mut slice_relist, e, &mut touched);
                     for s in &touched {
-                        if is_live {
-                            self.observe_lag(kind, s);
+                        if live {
+                            self.observe_lag("EndpointSlice", s);
                         }
                         affected.extend(slice_service(s));
                     }
                 }
                 Change::Pod(e) => {
+                    let live = is_live(&e);
                     let mut touched = Vec::new();
                     synced[2] |= apply(&mut world.pods, &mut pod_relist, e, &mut touched);
                     for p in &touched {
-                        if is_live {
-                            self.observe_lag(kind, p);
+                        if live {
+                            self.observe_lag("Pod", p);
                         }
                         let (ns, name) = key_of(p);
                         affected.extend(world.services_of_pod(&ns, &name));
