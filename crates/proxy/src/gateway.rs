@@ -70,18 +70,14 @@ pub async fn run(config: GatewayConfig, shutdown: Shutdown) -> Result<(), ProxyS
     let readiness = Readiness::default();
     readiness.require(crate::identity::CERTIFICATE);
     let store = tether_identity::tls::CertStore::new();
-    let roots = Arc::new(tether_identity::tls::load_roots(
+    let (client_tls, server_tls) = crate::tls::TlsClient::for_identity(
         &config.identity.trust_root,
-    )?);
-    let server_tls = tether_identity::tls::server_config(store.clone(), roots.clone())?;
-    let client_tls = tether_identity::tls::client_config(store.clone(), roots)?;
+        store.clone(),
+        crate::tls::TlsMode::Mandatory,
+    )?;
     let connector = Arc::new(crate::tls::Connector {
         connect_timeout: config.connect_timeout,
-        tls: Some(Arc::new(crate::tls::TlsClient {
-            config: client_tls,
-            store: store.clone(),
-            mode: crate::tls::TlsMode::Mandatory,
-        })),
+        tls: Some(client_tls),
     });
     let listener = bind("gateway", config.listen).await?;
     let admin_listener = bind("admin", config.admin).await?;

@@ -129,17 +129,9 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
         Some(id) => {
             identity_metrics.register(&mut registry);
             readiness.require(identity::CERTIFICATE);
-            let roots = Arc::new(tether_identity::tls::load_roots(&id.trust_root)?);
-            let client = tether_identity::tls::client_config(store.clone(), roots.clone())?;
-            let server = tether_identity::tls::server_config(store.clone(), roots)?;
-            (
-                Some(Arc::new(tls::TlsClient {
-                    config: client,
-                    store: store.clone(),
-                    mode: config.tls_mode,
-                })),
-                Some(server),
-            )
+            let (client, server) =
+                tls::TlsClient::for_identity(&id.trust_root, store.clone(), config.tls_mode)?;
+            (Some(client), Some(server))
         }
         None => (None, None),
     };

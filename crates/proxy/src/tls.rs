@@ -51,6 +51,29 @@ pub struct TlsClient {
     pub mode: TlsMode,
 }
 
+impl TlsClient {
+    /// The TLS of a proxy holding an identity: this client policy (for its
+    /// connector) and a server configuration (for accepting mTLS), both
+    /// presenting the certificate in `store` and trusting `trust_root`.
+    pub fn for_identity(
+        trust_root: &std::path::Path,
+        store: Arc<CertStore>,
+        mode: TlsMode,
+    ) -> Result<(Arc<Self>, Arc<rustls::ServerConfig>), tether_identity::tls::TlsError> {
+        let roots = Arc::new(tether_identity::tls::load_roots(trust_root)?);
+        let client = tether_identity::tls::client_config(store.clone(), roots.clone())?;
+        let server = tether_identity::tls::server_config(store.clone(), roots)?;
+        Ok((
+            Arc::new(Self {
+                config: client,
+                store,
+                mode,
+            }),
+            server,
+        ))
+    }
+}
+
 /// Makes connections to endpoints, with TLS as policy says.
 pub struct Connector {
     pub connect_timeout: Duration,
