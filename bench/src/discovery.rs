@@ -117,14 +117,8 @@ fn write_endpoints(dir: &Path, svc: &Service) -> anyhow::Result<()> {
             .endpoints
             .iter()
             .map(|(a, zone)| EndpointSpec {
-                address: *a,
-                port: None,
-                ready: true,
-                identity: None,
                 zone: Some(zone.clone()),
-                weight: 1,
-                meshed: true,
-                name: None,
+                ..EndpointSpec::new(*a)
             })
             .collect(),
     });

@@ -257,14 +257,8 @@ async fn main() -> anyhow::Result<()> {
                 service: s(service),
                 namespace: s("bench"),
                 endpoints: vec![EndpointSpec {
-                    address: proxy.addr("inbound"),
-                    port: None,
-                    ready: true,
                     identity,
-                    zone: None,
-                    weight: 1,
-                    meshed: true,
-                    name: None,
+                    ..EndpointSpec::new(proxy.addr("inbound"))
                 }],
             }),
         )?;

@@ -72,14 +72,9 @@ impl Scratch {
             service: service.into(),
             namespace: "test".into(),
             endpoints: vec![EndpointSpec {
-                address: addr,
-                port: None,
-                ready: true,
-                identity: None,
-                zone: None,
-                weight: 1,
                 meshed,
                 name: Some(file.into()),
+                ..EndpointSpec::new(addr)
             }],
         });
         self.write(&format!("{file}.yaml"), &doc.to_yaml());

@@ -584,16 +584,7 @@ mod tests {
                 mode: None,
                 retry_budget: None,
                 cluster_ip: None,
-                endpoints: vec![EndpointSpec {
-                    address: "127.0.0.1:1".parse().unwrap(),
-                    port: None,
-                    ready: true,
-                    identity: None,
-                    zone: None,
-                    weight: 1,
-                    meshed: true,
-                    name: None,
-                }],
+                endpoints: vec![EndpointSpec::new("127.0.0.1:1".parse().unwrap())],
             }),
         );
         let subscriptions = Subscriptions::default();

@@ -516,14 +516,8 @@ mod tests {
 
     pub(crate) fn endpoint(addr: &str, ready: bool) -> EndpointSpec {
         EndpointSpec {
-            address: addr.parse().unwrap(),
-            port: None,
             ready,
-            identity: None,
-            zone: None,
-            weight: 1,
-            meshed: true,
-            name: None,
+            ..EndpointSpec::new(addr.parse().unwrap())
         }
     }
 

@@ -103,14 +103,8 @@ impl Model {
                 .into_iter()
                 .flatten()
                 .map(|(e, ready)| EndpointSpec {
-                    address: addr(s, *e),
-                    port: None,
                     ready: *ready,
-                    identity: None,
-                    zone: None,
-                    weight: 1,
-                    meshed: true,
-                    name: None,
+                    ..EndpointSpec::new(addr(s, *e))
                 })
                 .collect(),
         })

@@ -61,6 +61,23 @@ pub struct EndpointSpec {
     pub name: Option<String>,
 }
 
+impl EndpointSpec {
+    /// An endpoint at `address` with a document's defaults: ready, meshed,
+    /// weight 1, serving every port, no identity, zone or name.
+    pub fn new(address: SocketAddr) -> Self {
+        Self {
+            address,
+            port: None,
+            ready: yes(),
+            identity: None,
+            zone: None,
+            weight: one(),
+            meshed: yes(),
+            name: None,
+        }
+    }
+}
+
 fn yes() -> bool {
     true
 }

@@ -137,14 +137,10 @@ impl Replica {
             service: self.service.clone(),
             namespace: self.namespace.clone(),
             endpoints: vec![EndpointSpec {
-                address: self.inbound,
-                port: None,
                 ready,
                 identity: self.identity.clone(),
-                zone: None,
-                weight: 1,
-                meshed: true,
                 name: Some(self.name.clone()),
+                ..EndpointSpec::new(self.inbound)
             }],
         })
     }
