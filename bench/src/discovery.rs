@@ -78,27 +78,6 @@ fn parse_args() -> anyhow::Result<Args> {
     Ok(a)
 }
 
-fn proc_usage(pid: u32) -> (f64, u64, u64) {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let f: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kb = |key: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0u64)
-    };
-    ((ticks(11) + ticks(12)) / 100.0, kb("VmRSS:"), kb("VmHWM:"))
-}
-
 /// A service's endpoints, oldest first; addresses are never reused.
 struct Service {
     name: String,
@@ -200,7 +179,7 @@ async fn main() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (_, rss_loaded, _) = proc_usage(pid);
+    let rss_loaded = tether_bench::proc_usage(pid).rss_kib;
 
     println!(
         "discovery benchmark: {} endpoints in {} services, {} subscribers, {} changes/s for {}s",
@@ -244,7 +223,8 @@ async fn main() -> anyhow::Result<()> {
     );
     let subscribe_time = subscribe_started.elapsed();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (cpu_before, rss_subscribed, _) = proc_usage(pid);
+    let subscribed = tether_bench::proc_usage(pid);
+    let (cpu_before, rss_subscribed) = (subscribed.cpu_seconds, subscribed.rss_kib);
 
     // Churn: each change replaces one endpoint of one service.
     let interval = Duration::from_secs_f64(1.0 / args.churn);
@@ -268,7 +248,8 @@ async fn main() -> anyhow::Result<()> {
     }
     let churn_elapsed = started.elapsed();
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let (cpu_after, rss_end, rss_peak) = proc_usage(pid);
+    let end = tether_bench::proc_usage(pid);
+    let (cpu_after, rss_end, rss_peak) = (end.cpu_seconds, end.rss_kib, end.peak_rss_kib);
     let summary = line_rx
         .recv_timeout(Duration::from_secs(30))
         .context("no summary from discovery-load")?;

@@ -49,33 +49,6 @@ fn parse_args() -> anyhow::Result<Args> {
     Ok(args)
 }
 
-/// CPU seconds (user + system) and peak RSS in KiB of a process.
-fn usage(pid: u32) -> (f64, u64) {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    // utime and stime are fields 14 and 15 of stat; 11 and 12 after the ')'.
-    let cpu = (ticks(11) + ticks(12)) / 100.0;
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let hwm = status
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    (cpu, hwm)
-}
-
 /// One way to reach the app: a name, where to connect, the authority.
 struct Route {
     name: &'static str,
@@ -291,7 +264,12 @@ async fn main() -> anyhow::Result<()> {
     for r in &routes {
         load(&args, r, Some(200.0), 1.0)?;
     }
-    let cpu = |r: &Route| r.pids.iter().map(|p| usage(*p).0).sum::<f64>();
+    let cpu = |r: &Route| {
+        r.pids
+            .iter()
+            .map(|p| tether_bench::proc_usage(*p).cpu_seconds)
+            .sum::<f64>()
+    };
 
     println!(
         "proxy latency benchmark: {} req/s open loop for {}s, concurrency {}",
@@ -341,7 +319,12 @@ async fn main() -> anyhow::Result<()> {
             let rss: Vec<String> = r
                 .pids
                 .iter()
-                .map(|p| format!("{:.1}", usage(*p).1 as f64 / 1024.0))
+                .map(|p| {
+                    format!(
+                        "{:.1}",
+                        tether_bench::proc_usage(*p).peak_rss_kib as f64 / 1024.0
+                    )
+                })
                 .collect();
             print!(
                 "   proxies: {:.3} CPU-s/1k req at fixed rate, {:.3} at max; peak RSS (client, server) {} MiB",
