@@ -3,17 +3,7 @@
 use crate::support::*;
 
 fn check(args: &[&str]) -> (bool, String) {
-    let out = std::process::Command::new(tether())
-        .arg("check")
-        .args(args)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    run_tether(&[&["check"], args].concat())
 }
 
 #[tokio::test]

@@ -17,6 +17,21 @@ pub fn tether() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_tether"))
 }
 
+/// Runs `tether ARGS` to completion: whether it succeeded, and its stdout
+/// followed by its stderr.
+pub fn run_tether(args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(tether())
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
 /// A scratch directory holding the registry and every process's log.
 pub struct Scratch {
     pub dir: tempfile::TempDir,
