@@ -507,3 +507,45 @@ async fn readiness_waits_for_the_certificate() {
         .unwrap();
     assert_eq!(status, 200);
 }
+
+/// Projected ServiceAccount tokens rotate, so the proxy must read its token
+/// file at every certificate request, not once at start.
+#[tokio::test]
+async fn the_token_file_is_read_at_every_renewal() {
+    let scratch = Scratch::new();
+    let ca = scratch.identity_init("ca");
+    let control = scratch.control_with_identity("control", &ca, "2").await;
+    let args = scratch.identity_args(&ca, &id("web"), &ca);
+    let token_file = std::path::PathBuf::from(&args[3]);
+    let valid = std::fs::read_to_string(&token_file).unwrap();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let proxy = scratch
+        .proxy("proxy", control.addr("grpc"), None, &args)
+        .await;
+    let admin = proxy.addr("admin");
+    wait_ready(admin).await;
+    let renewals = |outcome: &'static str| async move {
+        metric_value(
+            &metrics(admin).await,
+            "tether_identity_renewals_total",
+            &[("outcome", outcome)],
+        )
+    };
+    std::fs::write(&token_file, "tether-v1:someone:else").unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            renewals("error").await >= 1.0
+        })
+        .await,
+        "a changed token file was not read"
+    );
+    std::fs::write(&token_file, valid).unwrap();
+    let ok_before = renewals("ok").await;
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            renewals("ok").await > ok_before
+        })
+        .await,
+        "renewals did not recover with a valid token"
+    );
+}

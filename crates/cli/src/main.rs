@@ -384,6 +384,24 @@ fn when(t: std::time::SystemTime) -> String {
     format!("unix time {secs} (in {days:.0} days)")
 }
 
+/// An identity for a proxy or gateway; a token file that cannot be read
+/// is refused at start-up rather than at the first certificate request.
+fn identity_config(
+    name: String,
+    token_file: PathBuf,
+    trust_root: PathBuf,
+) -> anyhow::Result<tether_proxy::identity::IdentityConfig> {
+    let config = tether_proxy::identity::IdentityConfig {
+        name,
+        token_file,
+        trust_root,
+    };
+    config
+        .read_token()
+        .map_err(|e| anyhow::anyhow!("--identity-token-file: {e}"))?;
+    Ok(config)
+}
+
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -483,14 +501,7 @@ async fn main() -> anyhow::Result<()> {
             );
             let identity = match (identity, identity_token_file, trust_root) {
                 (Some(name), Some(token_file), Some(trust_root)) => {
-                    let token = std::fs::read_to_string(&token_file).with_context(|| {
-                        format!("reading --identity-token-file {}", token_file.display())
-                    })?;
-                    Some(tether_proxy::identity::IdentityConfig {
-                        name,
-                        token: token.trim().to_string(),
-                        trust_root,
-                    })
+                    Some(identity_config(name, token_file, trust_root)?)
                 }
                 _ => None,
             };
@@ -529,21 +540,11 @@ async fn main() -> anyhow::Result<()> {
             connect_timeout,
             drain_timeout,
         } => {
-            let token = std::fs::read_to_string(&identity_token_file).with_context(|| {
-                format!(
-                    "reading --identity-token-file {}",
-                    identity_token_file.display()
-                )
-            })?;
             let config = tether_proxy::gateway::GatewayConfig {
                 control,
                 listen,
                 admin,
-                identity: tether_proxy::identity::IdentityConfig {
-                    name: identity,
-                    token: token.trim().to_string(),
-                    trust_root,
-                },
+                identity: identity_config(identity, identity_token_file, trust_root)?,
                 trust_domain,
                 failfast_timeout,
                 connect_timeout,

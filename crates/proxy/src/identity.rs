@@ -29,10 +29,20 @@ const BACKOFF_MAX: Duration = Duration::from_secs(10);
 pub struct IdentityConfig {
     /// The identity to ask for, e.g. `web.demo.serviceaccount.identity.cluster.local`.
     pub name: String,
-    /// The bootstrap token proving the right to that identity.
-    pub token: String,
+    /// The file holding the token that proves the right to that identity.
+    /// It is read at every request: projected ServiceAccount tokens rotate.
+    pub token_file: PathBuf,
     /// The trust root (PEM), to verify peers.
     pub trust_root: PathBuf,
+}
+
+impl IdentityConfig {
+    /// The current token, trimmed.
+    pub fn read_token(&self) -> Result<String, String> {
+        std::fs::read_to_string(&self.token_file)
+            .map(|t| t.trim().to_string())
+            .map_err(|e| format!("reading the token file {}: {e}", self.token_file.display()))
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -79,7 +89,7 @@ async fn certify_once(
     let rsp = client
         .certify(CertifyRequest {
             identity: config.name.clone(),
-            token: config.token.clone().into_bytes(),
+            token: config.read_token()?.into_bytes(),
             certificate_signing_request: kc.csr_der,
         })
         .await
