@@ -373,6 +373,14 @@ pub async fn metrics(admin: SocketAddr) -> String {
         .1
 }
 
+/// The value of the one sample of `name` with `labels`, if it is exported.
+pub fn metric_sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    tether_core::prom::parse(text)
+        .into_iter()
+        .find(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
+        .map(|s| s.value)
+}
+
 pub fn metric_value(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     tether_core::prom::parse(text)
         .into_iter()

@@ -161,7 +161,15 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
             shutdown.clone(),
         ));
     }
-    let readiness_for_discovery = readiness.clone();
+    let outbound = Arc::new(outbound::Outbound::new(
+        discovery,
+        metrics.clone(),
+        &config,
+        connector,
+    ));
+    // Before the admin listener answers: a probe in the first instant must
+    // already see the discovery conditions missing.
+    let _pinned = outbound.require_discovery(&config.require_discovery, &readiness);
     tokio::spawn(tether_admin::serve(
         admin_listener,
         Admin {
@@ -170,13 +178,6 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
             extra: None,
         },
         shutdown.clone(),
-    ));
-
-    let outbound = Arc::new(outbound::Outbound::new(
-        discovery,
-        metrics.clone(),
-        &config,
-        connector,
     ));
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(outbound.clone().serve(
@@ -205,7 +206,6 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
             config.drain_timeout,
         )));
     }
-    let _pinned = outbound.require_discovery(&config.require_discovery, &readiness_for_discovery);
     tokio::spawn(outbound.clone().maintain(shutdown.clone()));
     for t in tasks {
         let _ = t.await;
