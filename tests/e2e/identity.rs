@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,13 +16,22 @@ fn id(name: &str) -> String {
 }
 
 /// A TCP relay that records every byte the client sends.
-async fn tap(to: SocketAddr) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
+struct Tap {
+    addr: SocketAddr,
+    seen: Arc<Mutex<Vec<u8>>>,
+    /// Connections accepted so far.
+    connections: Arc<AtomicUsize>,
+}
+
+async fn tap(to: SocketAddr) -> Tap {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let record = seen.clone();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let (record, accepted) = (seen.clone(), connections.clone());
     tokio::spawn(async move {
         while let Ok((mut client, _)) = listener.accept().await {
+            accepted.fetch_add(1, Ordering::SeqCst);
             let record = record.clone();
             tokio::spawn(async move {
                 let Ok(mut server) = tokio::net::TcpStream::connect(to).await else {
@@ -51,7 +61,11 @@ async fn tap(to: SocketAddr) -> (SocketAddr, Arc<Mutex<Vec<u8>>>) {
             });
         }
     });
-    (addr, seen)
+    Tap {
+        addr,
+        seen,
+        connections,
+    }
 }
 
 /// A request with extra headers over HTTP/1.1.
@@ -160,8 +174,8 @@ fn endpoint_with_identity(scratch: &Scratch, addr: SocketAddr, identity: &str) {
 #[tokio::test]
 async fn proxies_talk_mtls_on_the_wire_and_pass_the_verified_client_identity() {
     let mesh = tls_mesh(&id("web"), &[], "3600").await;
-    let (tap_addr, seen) = tap(mesh.server.addr("inbound")).await;
-    endpoint_with_identity(&mesh.scratch, tap_addr, &id("web"));
+    let Tap { addr, seen, .. } = tap(mesh.server.addr("inbound")).await;
+    endpoint_with_identity(&mesh.scratch, addr, &id("web"));
     let web = authority("web", 8080);
     let outbound = mesh.client.addr("outbound");
     assert!(
@@ -353,30 +367,53 @@ async fn mandatory_tls_without_identity_is_refused_at_start() {
 
 #[tokio::test]
 async fn certificates_rotate_with_no_failed_request() {
+    const LIFETIME: Duration = Duration::from_secs(2);
     let mesh = tls_mesh(&id("web"), &["--tls", "mandatory"], "2").await;
-    endpoint_with_identity(&mesh.scratch, mesh.server.addr("inbound"), &id("web"));
+    // Every certificate either proxy holds now was issued before this
+    // instant, so all have expired a lifetime later (plus a second: X.509
+    // times are whole seconds); a handshake after that needs renewals.
+    let first_issued = std::time::Instant::now();
+    let expired = LIFETIME + Duration::from_secs(1);
     let web = authority("web", 8080);
     let outbound = mesh.client.addr("outbound");
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            get(outbound, &web).await.status == 200
-        })
-        .await
-    );
-    let started = std::time::Instant::now();
+    // The client keeps one connection per endpoint, so only a new endpoint
+    // makes it handshake again: the server moves to a fresh relay address,
+    // again and again. Each handshake presents both proxies' current
+    // certificates, and each side refuses an expired one.
+    let mut relays = Vec::new();
     let mut sent = 0;
-    while started.elapsed() < Duration::from_secs(7) {
+    let mut handshakes_after_expiry = 0;
+    while first_issued.elapsed() < 3 * LIFETIME + LIFETIME / 2 {
+        let relay = tap(mesh.server.addr("inbound")).await;
+        endpoint_with_identity(&mesh.scratch, relay.addr, &id("web"));
+        let moved = std::time::Instant::now();
+        while relay.connections.load(Ordering::SeqCst) == 0 {
+            assert!(
+                moved.elapsed() < Duration::from_secs(10),
+                "the client never connected to the new endpoint"
+            );
+            let a = get(outbound, &web).await;
+            assert_eq!(
+                a.status,
+                200,
+                "request {sent} failed during rotation: {:?} {}",
+                a.proxy_error(),
+                a.body
+            );
+            sent += 1;
+        }
+        // One more request, over the connection just made to this relay.
         let a = get(outbound, &web).await;
-        assert_eq!(
-            a.status,
-            200,
-            "request {sent} failed during rotation: {:?} {}",
-            a.proxy_error(),
-            a.body
-        );
-        sent += 1;
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(a.status, 200, "{:?} {}", a.proxy_error(), a.body);
+        if moved - first_issued > expired {
+            handshakes_after_expiry += 1;
+        }
+        relays.push(relay);
     }
+    assert!(
+        handshakes_after_expiry >= 2,
+        "only {handshakes_after_expiry} handshakes after the first certificates expired"
+    );
     for proxy in [&mesh.server, &mesh.client] {
         let m = metrics(proxy.addr("admin")).await;
         let renewals = metric_value(&m, "tether_identity_renewals_total", &[("outcome", "ok")]);
