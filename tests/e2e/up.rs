@@ -42,27 +42,25 @@ fn bad_manifest_names_the_field() {
     assert!(err.contains("services[0].replicas"), "{err}");
 }
 
-#[test]
-fn multicluster_demo_fails_over_and_back_without_failures() {
+/// Runs `tether up MANIFEST` headless for `seconds`: its stdout and the
+/// load generator's JSON summary.
+fn run_up(manifest: &str, seconds: &str) -> (String, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("mc.yaml");
-    let manifest = tether_mesh_up::manifest::MULTICLUSTER_DEMO
-        .replace("at: 4", "at: 2")
-        .replace("at: 8", "at: 4");
+    let path = dir.path().join("mesh.yaml");
     std::fs::write(&path, manifest).unwrap();
     let out = std::process::Command::new(tether())
         .args([
             "up",
             path.to_str().unwrap(),
             "--duration",
-            "6",
+            seconds,
             "--interval",
             "60",
             "--json",
         ])
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
         "{stdout}\n{}",
@@ -72,20 +70,35 @@ fn multicluster_demo_fails_over_and_back_without_failures() {
         .lines()
         .find_map(|l| l.strip_prefix("summary-json "))
         .expect("a JSON summary");
-    let report: serde_json::Value = serde_json::from_str(json).unwrap();
-    let replicas = report["replicas"].as_object().unwrap();
-    let served_by = |prefix: &str| {
-        replicas
-            .iter()
-            .filter(|(k, _)| k.starts_with(prefix))
-            .map(|(_, v)| v.as_u64().unwrap())
-            .sum::<u64>()
-    };
+    let report = serde_json::from_str(json).unwrap();
+    (stdout, report)
+}
+
+/// Requests answered by replicas whose name starts with `prefix`.
+fn served_by(report: &serde_json::Value, prefix: &str) -> u64 {
+    report["replicas"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.starts_with(prefix))
+        .map(|(_, v)| v.as_u64().unwrap())
+        .sum()
+}
+
+#[test]
+fn multicluster_demo_fails_over_and_back_without_failures() {
+    let manifest = tether_mesh_up::manifest::MULTICLUSTER_DEMO
+        .replace("at: 4", "at: 2")
+        .replace("at: 8", "at: 4");
+    let (stdout, report) = run_up(&manifest, "6");
     assert!(
-        served_by("west-") > 0,
+        served_by(&report, "west-") > 0,
         "never failed over to west: {report}"
     );
-    assert!(served_by("east-") > 0, "east never served: {report}");
+    assert!(
+        served_by(&report, "east-") > 0,
+        "east never served: {report}"
+    );
     assert_eq!(report["failed"], 0, "{report}");
     assert!(
         stdout.contains(">>> killed every replica of cluster east"),
@@ -95,4 +108,54 @@ fn multicluster_demo_fails_over_and_back_without_failures() {
         stdout.contains(">>> revived every replica of cluster east"),
         "{stdout}"
     );
+}
+
+/// The crash path: every east app and sidecar is SIGKILLed at once, and the
+/// registry hears of it only `detect_after` later. Requests meanwhile find
+/// only dead endpoints; retries wait for discovery to offer west instead of
+/// failing.
+#[test]
+fn a_crashed_cluster_fails_over_without_a_failed_request() {
+    let manifest = r#"
+retries: true
+clusters:
+  - name: east
+    services:
+      - name: web
+        namespace: shop
+        global_id: web-global
+        mode: failover
+        replicas: 2
+    links:
+      - cluster: west
+        priority: 1
+  - name: west
+    services:
+      - name: storefront
+        namespace: retail
+        global_id: web-global
+        replicas: 2
+load:
+  - cluster: east
+    service: web
+    rps: 100
+events:
+  - at: 2
+    crash: east
+    detect_after: 0.5
+"#;
+    let (stdout, report) = run_up(manifest, "5");
+    assert!(
+        stdout.contains(">>> crashed every replica of cluster east"),
+        "{stdout}"
+    );
+    assert!(
+        served_by(&report, "east-") > 0,
+        "east never served: {report}"
+    );
+    assert!(
+        served_by(&report, "west-") > 0,
+        "never failed over to west: {report}"
+    );
+    assert_eq!(report["failed"], 0, "{report}");
 }

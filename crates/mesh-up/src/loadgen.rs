@@ -275,14 +275,57 @@ impl Caller {
     }
 }
 
+/// How long requests still in flight at the end of a run get to answer;
+/// the rest are counted as failed ("unanswered"), so a hang cannot hide.
+const ANSWER_GRACE: Duration = Duration::from_secs(30);
+
+/// The error a request still unanswered after the grace is counted with.
+pub const UNANSWERED: &str = "unanswered at the end of the run";
+
+/// Requests sent and not yet answered: when each was meant to be sent.
+/// Whoever removes an entry records the request, so it is counted once.
+#[derive(Clone, Default)]
+struct InFlight(Arc<Mutex<BTreeMap<u64, Instant>>>);
+
+impl InFlight {
+    fn start(&self, id: u64, intended: Instant) {
+        self.0.lock().unwrap().insert(id, intended);
+    }
+
+    /// Whether the request was still waiting to be counted.
+    fn finish(&self, id: u64) -> bool {
+        self.0.lock().unwrap().remove(&id).is_some()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.lock().unwrap().is_empty()
+    }
+
+    fn take_all(&self) -> Vec<Instant> {
+        std::mem::take(&mut *self.0.lock().unwrap())
+            .into_values()
+            .collect()
+    }
+}
+
 /// Runs one load spec until its duration passes or `stop` fires.
 pub async fn run(spec: LoadSpec, stop: Shutdown) -> anyhow::Result<LoadReport> {
+    run_with_grace(spec, stop, ANSWER_GRACE).await
+}
+
+async fn run_with_grace(
+    spec: LoadSpec,
+    stop: Shutdown,
+    grace: Duration,
+) -> anyhow::Result<LoadReport> {
     let caller = Caller::new(&spec).await?;
     let report = Arc::new(Mutex::new(LoadReport::default()));
+    let in_flight = InFlight::default();
     let concurrency = spec.concurrency.max(1);
     let permits = Arc::new(Semaphore::new(concurrency));
     let start = Instant::now();
     let end = start + spec.duration;
+    let mut workers = Vec::new();
     match spec.rate {
         Some(rate) => {
             let interval = Duration::from_secs_f64(1.0 / rate.max(0.001));
@@ -296,51 +339,142 @@ pub async fn run(spec: LoadSpec, stop: Shutdown) -> anyhow::Result<LoadReport> {
                     _ = tokio::time::sleep_until(intended.into()) => {}
                     _ = stop.triggered() => break,
                 }
-                let permit = permits.clone().acquire_owned().await?;
-                let (caller, report) = (caller.clone(), report.clone());
+                // Every permit held by a hung request must not hold the run
+                // past its end.
+                let permit = tokio::select! {
+                    p = permits.clone().acquire_owned() => p?,
+                    _ = tokio::time::sleep_until(end.into()) => break,
+                    _ = stop.triggered() => break,
+                };
+                let (caller, report, in_flight) =
+                    (caller.clone(), report.clone(), in_flight.clone());
+                let id = u64::from(i);
+                in_flight.start(id, intended);
+                // Detached: one that answers after the grace is ignored.
                 tokio::spawn(async move {
                     let sent = Instant::now();
                     let outcome = caller.call().await;
-                    let sent_at = intended.duration_since(start);
-                    report.lock().unwrap().record(
-                        outcome,
-                        intended.elapsed(),
-                        sent.elapsed(),
-                        sent_at,
-                    );
+                    if in_flight.finish(id) {
+                        report.lock().unwrap().record(
+                            outcome,
+                            intended.elapsed(),
+                            sent.elapsed(),
+                            intended.duration_since(start),
+                        );
+                    }
                     drop(permit);
                 });
                 i += 1;
             }
         }
         None => {
-            let mut workers = Vec::new();
+            let next_id = Arc::new(std::sync::atomic::AtomicU64::new(0));
             for _ in 0..concurrency {
-                let (caller, report, stop) = (caller.clone(), report.clone(), stop.clone());
+                let (caller, report, stop, in_flight, next_id) = (
+                    caller.clone(),
+                    report.clone(),
+                    stop.clone(),
+                    in_flight.clone(),
+                    next_id.clone(),
+                );
                 workers.push(tokio::spawn(async move {
                     while Instant::now() < end && !stop.is_triggered() {
+                        let id = next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         let t = Instant::now();
+                        in_flight.start(id, t);
                         let outcome = caller.call().await;
                         let took = t.elapsed();
-                        report
-                            .lock()
-                            .unwrap()
-                            .record(outcome, took, took, t.duration_since(start));
+                        if in_flight.finish(id) {
+                            report.lock().unwrap().record(
+                                outcome,
+                                took,
+                                took,
+                                t.duration_since(start),
+                            );
+                        }
                     }
                 }));
             }
-            for w in workers {
-                let _ = w.await;
-            }
         }
     }
-    // Wait for requests still in flight, bounded.
-    let _ = tokio::time::timeout(
-        Duration::from_secs(30),
-        permits.acquire_many(concurrency as u32),
-    )
-    .await;
+    // Requests still in flight get a bounded grace to answer.
+    let answered = async {
+        for w in &mut workers {
+            let _ = w.await;
+        }
+        while !in_flight.is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let grace_over = async {
+        tokio::select! {
+            _ = tokio::time::sleep_until(end.into()) => {}
+            _ = stop.triggered() => {}
+        }
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        _ = answered => {}
+        _ = grace_over => {}
+    }
+    for w in &workers {
+        w.abort();
+    }
     let mut out = report.lock().unwrap().clone();
+    for intended in in_flight.take_all() {
+        out.record(
+            Err(UNANSWERED.to_string()),
+            intended.elapsed(),
+            intended.elapsed(),
+            intended.duration_since(start),
+        );
+    }
     out.elapsed = start.elapsed();
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server that accepts connections and never answers.
+    async fn silent_server() -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                held.push(conn);
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn requests_unanswered_at_the_end_count_as_failed() {
+        let connect = silent_server().await;
+        for rate in [Some(50.0), None] {
+            let spec = LoadSpec {
+                connect,
+                authority: "web:80".into(),
+                path: "/".into(),
+                protocol: LoadProtocol::Http1,
+                rate,
+                duration: Duration::from_millis(200),
+                concurrency: 4,
+            };
+            let report = run_with_grace(spec, Shutdown::default(), Duration::from_millis(100))
+                .await
+                .unwrap();
+            assert!(report.sent > 0, "{rate:?}: nothing sent");
+            assert_eq!(report.succeeded, 0, "{rate:?}");
+            assert_eq!(report.failed, report.sent, "{rate:?}");
+            assert_eq!(
+                report.errors.get(UNANSWERED),
+                Some(&report.sent),
+                "{rate:?}"
+            );
+            assert!(report.failures_between.is_some(), "{rate:?}");
+        }
+    }
 }
