@@ -106,7 +106,12 @@ async fn opaque_ports_forward_raw_tcp() {
     });
     let control = scratch.control().await;
     let server = scratch
-        .proxy("db-proxy", control.addr("grpc"), Some(echo_addr), &[])
+        .proxy(
+            "db-proxy",
+            control.addr("grpc"),
+            Some(echo_addr),
+            &["--inbound-opaque"],
+        )
         .await;
     scratch.endpoint("db-0", "db", server.addr("inbound"), true);
     let upstream = format!("127.0.0.1:0={}", authority("db", 5432));

@@ -115,6 +115,11 @@ enum Command {
         /// The local app's address, where inbound traffic goes.
         #[arg(long)]
         app: Option<SocketAddr>,
+        /// The app's port is opaque TCP (a database, a server-speaks-first
+        /// protocol): inbound connections are forwarded without detection.
+        /// Without it the inbound forwards only HTTP and refuses the rest.
+        #[arg(long, requires = "app")]
+        inbound_opaque: bool,
         /// A local listener pinned to one service: LISTEN=AUTHORITY (repeatable).
         /// Opaque TCP when the service port is opaque, HTTP otherwise.
         #[arg(long, value_parser = parse_upstream)]
@@ -481,6 +486,7 @@ async fn main() -> anyhow::Result<()> {
             inbound,
             admin,
             app,
+            inbound_opaque,
             upstream,
             failfast_timeout,
             connect_timeout,
@@ -511,6 +517,7 @@ async fn main() -> anyhow::Result<()> {
                 inbound,
                 admin,
                 app,
+                inbound_opaque,
                 upstreams: upstream,
                 failfast_timeout,
                 connect_timeout,

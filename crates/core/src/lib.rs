@@ -5,9 +5,12 @@
 //! - [`registry`]: the registry document model (services and their
 //!   endpoints) and its validation, shared by the file registry that reads it
 //!   and by `tether up`, which writes it.
+//! - [`log_limit`]: at most one log line per interval for conditions a
+//!   client can repeat at will.
 //! - [`prom`]: a small reader of the Prometheus text format, for the operator
 //!   tools that scrape Tether's own admin endpoints.
 
 pub mod authority;
+pub mod log_limit;
 pub mod prom;
 pub mod registry;

@@ -427,7 +427,7 @@ pub struct InjectOptions {
 
 /// The containers a meshed pod gets: `tether-init` (iptables) and the
 /// `tether-proxy` native sidecar, which must be ready before the app starts.
-fn sidecars(o: &InjectOptions, app_port: i64) -> Vec<Container> {
+fn sidecars(o: &InjectOptions, app_port: i64, opaque: bool) -> Vec<Container> {
     let init = Container {
         name: "tether-init".into(),
         image: Some(o.image.clone()),
@@ -484,7 +484,9 @@ fn sidecars(o: &InjectOptions, app_port: i64) -> Vec<Container> {
                 "--trust-root".into(),
                 "/var/run/tether/trust/ca.crt".into(),
             ]
-            .to_vec(),
+            .into_iter()
+            .chain(opaque.then(|| "--inbound-opaque".to_string()))
+            .collect(),
         ),
         env: Some(vec![
             env_field("TETHER_SERVICE_ACCOUNT", "spec.serviceAccountName"),
@@ -532,6 +534,19 @@ fn inject_document(mut doc: serde_yaml::Value, o: &InjectOptions) -> serde_yaml:
     else {
         return doc;
     };
+    // The pod's own annotations sit in the metadata beside its spec.
+    let opaque_ports: Vec<i64> = {
+        let mut meta = Some(&doc);
+        for key in &path[..path.len() - 1] {
+            meta = meta.and_then(|m| m.get(*key));
+        }
+        meta.and_then(|m| m.get("metadata"))
+            .and_then(|m| m.get("annotations"))
+            .and_then(|a| a.get(tether_control::registry::kubernetes::OPAQUE_PORTS))
+            .and_then(|v| v.as_str())
+            .map(|v| v.split(',').filter_map(|p| p.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    };
     let mut spec = &mut doc;
     for key in path {
         match spec.get_mut(*key) {
@@ -561,7 +576,9 @@ fn inject_document(mut doc: serde_yaml::Value, o: &InjectOptions) -> serde_yaml:
         .and_then(|p| p.get("containerPort"))
         .and_then(|p| p.as_i64())
         .unwrap_or(80);
-    let mut init: Vec<serde_yaml::Value> = sidecars(o, app_port).iter().map(to_value).collect();
+    let opaque = opaque_ports.contains(&app_port);
+    let mut init: Vec<serde_yaml::Value> =
+        sidecars(o, app_port, opaque).iter().map(to_value).collect();
     if let Some(existing) = spec.get("initContainers").and_then(|v| v.as_sequence()) {
         init.extend(existing.iter().cloned());
     }
@@ -789,5 +806,31 @@ data: {a: b}
             Some("payments")
         );
         assert_eq!(all[1], docs(WORKLOAD)[1], "a ConfigMap is not touched");
+        assert!(!proxy
+            .args
+            .as_ref()
+            .unwrap()
+            .contains(&"--inbound-opaque".to_string()));
+    }
+
+    #[test]
+    fn inject_declares_the_app_port_opaque_when_the_pod_says_so() {
+        let o = InjectOptions {
+            image: "tether:test".into(),
+            control_namespace: "tether-system".into(),
+            cluster_domain: "cluster.local".into(),
+        };
+        let opaque = WORKLOAD.replace(
+            "metadata: {labels: {app: web}}",
+            "metadata: {labels: {app: web}, annotations: {tether.io/opaque-ports: \"5432, 8080\"}}",
+        );
+        let all = docs(&inject(&opaque, &o).unwrap());
+        let d: Deployment = serde_yaml::from_value(all[0].clone()).unwrap();
+        let init = d.spec.template.spec.unwrap().init_containers.unwrap();
+        assert!(init[1]
+            .args
+            .as_ref()
+            .unwrap()
+            .contains(&"--inbound-opaque".to_string()));
     }
 }

@@ -27,6 +27,8 @@ pub enum ProxyError {
     Upstream { addr: SocketAddr, reason: String },
     #[error("app unreachable at {addr}: {reason}")]
     App { addr: SocketAddr, reason: String },
+    #[error("CONNECT is not proxied")]
+    ConnectUnsupported,
 }
 
 impl ProxyError {
@@ -42,6 +44,7 @@ impl ProxyError {
             ProxyError::Connect { .. } | ProxyError::Upstream { .. } | ProxyError::App { .. } => {
                 StatusCode::BAD_GATEWAY
             }
+            ProxyError::ConnectUnsupported => StatusCode::METHOD_NOT_ALLOWED,
         }
     }
 
@@ -51,7 +54,8 @@ impl ProxyError {
             ProxyError::NoAuthority
             | ProxyError::InvalidAuthority { .. }
             | ProxyError::RequestBody(_) => 3, // INVALID_ARGUMENT
-            _ => 14, // UNAVAILABLE
+            ProxyError::ConnectUnsupported => 12, // UNIMPLEMENTED
+            _ => 14,                              // UNAVAILABLE
         }
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use http::{Response, StatusCode};
 use tether_admin::{bind, Admin, Readiness, Shutdown};
 
-use crate::detect::detect;
+use crate::detect::first_bytes;
 use crate::identity::IdentityConfig;
 use crate::outbound::Outbound;
 use crate::serve::{accept_loop, serve_http};
@@ -49,6 +49,7 @@ pub async fn run(config: GatewayConfig, shutdown: Shutdown) -> Result<(), ProxyS
         inbound: config.listen,
         admin: config.admin,
         app: None,
+        inbound_opaque: false,
         upstreams: vec![],
         failfast_timeout: config.failfast_timeout,
         connect_timeout: config.connect_timeout,
@@ -111,7 +112,7 @@ pub async fn run(config: GatewayConfig, shutdown: Shutdown) -> Result<(), ProxyS
             (outbound.clone(), metrics.clone(), server_tls.clone(), suffix.clone());
         async move {
             let _open = metrics.connection("gateway");
-            let Ok((_, prefix)) = detect(&mut stream, Duration::from_secs(10)).await else { return };
+            let Ok(prefix) = first_bytes(&mut stream, Duration::from_secs(10)).await else { return };
             if prefix.first() != Some(&0x16) {
                 metrics.refuse("plaintext");
                 tracing::warn!(%peer, "gateway refused a plaintext connection");

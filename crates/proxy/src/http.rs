@@ -17,6 +17,32 @@ pub type Body = BoxBody<Bytes, hyper::Error>;
 pub const ORIG_PROTO: &str = "tether-orig-proto";
 /// Names why the proxy, not the app, answered a request.
 pub const PROXY_ERROR: &str = "tether-proxy-error";
+/// The header carrying the client's verified identity to the app.
+pub const CLIENT_ID: &str = "tether-client-id";
+
+/// Request headers whose value the mesh asserts. A value that arrives from
+/// a client is never passed on, on any side: the inbound sets its own, the
+/// outbound and the gateway drop it (a plaintext endpoint has no proxy to
+/// drop it for them).
+pub const MESH_ASSERTED: &[&str] = &[CLIENT_ID];
+
+pub fn strip_mesh_asserted(headers: &mut HeaderMap) {
+    for name in MESH_ASSERTED {
+        headers.remove(*name);
+    }
+}
+
+/// What the proxy answers on a connection whose first line is not a valid
+/// HTTP/1 request line (the connection is closed after it).
+pub fn raw_bad_request(reason: &str) -> Vec<u8> {
+    let msg = format!("not a valid HTTP request: {reason}");
+    format!(
+        "HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n\
+         {PROXY_ERROR}: {msg}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{msg}\n",
+        msg.len() + 1
+    )
+    .into_bytes()
+}
 
 pub fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())

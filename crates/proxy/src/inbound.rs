@@ -9,39 +9,72 @@
 //! refused. HTTP is served and forwarded to the app (HTTP/1 when the peer
 //! marked the request as originally HTTP/1, HTTP/2 otherwise), with the
 //! client's verified identity in `tether-client-id` (a value sent by the
-//! client itself is always removed). Tether's opaque preface and anything
-//! unrecognised are forwarded byte for byte.
+//! client itself is always removed). Anything that is not HTTP is refused,
+//! unless the app's port is declared opaque (`--inbound-opaque`): then
+//! connections are forwarded byte for byte without detection.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::{HeaderValue, Request, Response, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use hyper_util::server::graceful::Watcher;
 use rustls::ServerConfig;
 use tether_admin::Shutdown;
+use tether_core::log_limit::LogLimit;
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 
 use crate::client::{EndpointClient, Proto};
-use crate::detect::{detect, PrefixedIo, Protocol};
+use crate::detect::{self, detect, PrefixedIo, Protocol, Unrecognized};
 use crate::errors::ProxyError;
 use crate::http::{
-    error_response, is_grpc, request_authority, rewrite_for_hop, strip_hop_by_hop, Body, ORIG_PROTO,
+    error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
+    strip_mesh_asserted, Body, CLIENT_ID, ORIG_PROTO, PROXY_ERROR,
 };
 use crate::metrics::{Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http};
 use crate::tls::{BoxedIo, Connector, TlsMode};
 use crate::ProxyConfig;
 
-/// How long to wait for a client's first bytes before treating the
-/// connection as opaque (server-speaks-first protocols).
+/// How long a client may take to send its first bytes (and, on a
+/// declared-opaque port, before it counts as waiting for the app to speak).
 const DETECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// The header carrying the client's verified identity to the app.
-pub const CLIENT_ID: &str = "tether-client-id";
 /// The first byte of a TLS handshake record.
 const TLS_HANDSHAKE: u8 = 0x16;
+/// Refused connections are counted one by one but logged at most this often.
+static REFUSAL_LOG: LogLimit = LogLimit::new(Duration::from_secs(5));
+
+/// Why a connection to a port that is not declared opaque was refused.
+enum Refusal {
+    /// A peer proxy sent opaque TCP: its discovery says the port is opaque,
+    /// this proxy was not told so (`--inbound-opaque`).
+    OpaqueUndeclared,
+    NotHttp(Unrecognized),
+}
+
+impl Refusal {
+    fn reason(&self) -> &'static str {
+        match self {
+            Refusal::OpaqueUndeclared => "opaque_undeclared",
+            Refusal::NotHttp(why) => why.reason(),
+        }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::OpaqueUndeclared => f.write_str(
+                "opaque TCP to a port not declared opaque (start the proxy with --inbound-opaque)",
+            ),
+            Refusal::NotHttp(why) => write!(f, "{why}"),
+        }
+    }
+}
 
 pub struct Inbound {
     app: SocketAddr,
@@ -50,6 +83,9 @@ pub struct Inbound {
     metrics: ProxyMetrics,
     tls: Option<Arc<ServerConfig>>,
     mode: TlsMode,
+    /// The app's port is declared opaque: TCP is forwarded without
+    /// detection; otherwise only HTTP is.
+    opaque: bool,
 }
 
 impl Inbound {
@@ -67,6 +103,7 @@ impl Inbound {
             metrics,
             tls,
             mode: config.tls_mode,
+            opaque: config.inbound_opaque,
         }
     }
 
@@ -76,72 +113,134 @@ impl Inbound {
         shutdown: Shutdown,
         drain: Duration,
     ) {
-        accept_loop("inbound", listener, shutdown, drain, move |mut stream, peer, watcher| {
-            let this = self.clone();
-            async move {
-                let _open = this.metrics.connection("inbound");
-                let (proto, prefix) = match detect(&mut stream, DETECT_TIMEOUT).await {
-                    Ok(d) => d,
+        accept_loop(
+            "inbound",
+            listener,
+            shutdown,
+            drain,
+            move |stream, peer, watcher| {
+                let this = self.clone();
+                async move {
+                    let _open = this.metrics.connection("inbound");
+                    this.serve_connection(stream, peer, watcher).await;
+                }
+            },
+        )
+        .await
+    }
+
+    async fn serve_connection(
+        self: Arc<Self>,
+        mut stream: TcpStream,
+        peer: SocketAddr,
+        watcher: Watcher,
+    ) {
+        // A TLS ClientHello starts with the handshake record type; one read
+        // tells TLS from plaintext.
+        let deadline = Instant::now() + DETECT_TIMEOUT;
+        let Ok(first) = detect::first_bytes(&mut stream, DETECT_TIMEOUT).await else {
+            return;
+        };
+        let is_tls = first.first() == Some(&TLS_HANDSHAKE);
+        let (mut io, read, hop): (BoxedIo, Bytes, Hop) = match (&self.tls, is_tls) {
+            (Some(config), true) => {
+                match crate::tls::terminate(config.clone(), first, stream).await {
+                    Ok((tls, client_id)) => (
+                        tls,
+                        Bytes::new(),
+                        Hop {
+                            tls: true,
+                            client_id,
+                        },
+                    ),
                     Err(e) => {
-                        tracing::debug!(%peer, error = %e, "inbound detection failed");
+                        self.metrics.refuse("tls_handshake");
+                        if let Some(suppressed) = REFUSAL_LOG.allow() {
+                            tracing::warn!(%peer, error = %e, suppressed, "inbound TLS handshake failed");
+                        }
                         return;
-                    }
-                };
-                let is_tls = prefix.first() == Some(&TLS_HANDSHAKE);
-                let (io, proto, prefix, hop): (BoxedIo, _, _, _) = match (&this.tls, is_tls) {
-                    (Some(config), true) => {
-                        let (mut tls, client_id) = match crate::tls::terminate(config.clone(), prefix, stream).await {
-                            Ok(t) => t,
-                            Err(e) => {
-                                this.metrics.refuse("tls_handshake");
-                                tracing::warn!(%peer, error = %e, "inbound TLS handshake failed");
-                                return;
-                            }
-                        };
-                        let (proto, prefix) = match detect(&mut tls, DETECT_TIMEOUT).await {
-                            Ok(d) => d,
-                            Err(e) => {
-                                tracing::debug!(%peer, error = %e, "inbound detection failed");
-                                return;
-                            }
-                        };
-                        (tls, proto, prefix, Hop { tls: true, client_id })
-                    }
-                    _ if this.mode == TlsMode::Mandatory => {
-                        this.metrics.refuse("plaintext");
-                        tracing::warn!(%peer, "plaintext connection refused: TLS is mandatory");
-                        return;
-                    }
-                    _ => (Box::new(stream), proto, prefix, Hop::default()),
-                };
-                match proto {
-                    Protocol::Closed => {}
-                    Protocol::Http => {
-                        let hop = Arc::new(hop);
-                        let svc = move |req| {
-                            let (this, hop) = (this.clone(), hop.clone());
-                            async move { this.handle(req, &hop).await }
-                        };
-                        serve_http(PrefixedIo::new(prefix, io), svc, watcher).await;
-                    }
-                    Protocol::Opaque | Protocol::OpaqueTransport => {
-                        this.forward_tcp(io, prefix, peer).await;
                     }
                 }
             }
-        })
-        .await
+            _ if self.mode == TlsMode::Mandatory => {
+                self.metrics.refuse("plaintext");
+                if let Some(suppressed) = REFUSAL_LOG.allow() {
+                    tracing::warn!(%peer, suppressed, "plaintext connection refused: TLS is mandatory");
+                }
+                return;
+            }
+            _ => (Box::new(stream), first, Hop::default()),
+        };
+        if self.opaque {
+            let silent = !hop.tls && read.is_empty();
+            let prefix = if silent {
+                // The client waits for the app to speak first.
+                read
+            } else {
+                match detect::opaque_start(&mut io, read, DETECT_TIMEOUT).await {
+                    Ok(p) => p,
+                    Err(_) => return,
+                }
+            };
+            return self.forward_tcp(io, prefix, peer).await;
+        }
+        // Inside TLS the client gets the whole time again, after the handshake.
+        let left = if hop.tls {
+            DETECT_TIMEOUT
+        } else {
+            deadline.saturating_duration_since(Instant::now())
+        };
+        let (proto, prefix) = match detect(&mut io, read, left).await {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::debug!(%peer, error = %e, "inbound detection failed");
+                return;
+            }
+        };
+        let refusal = match proto {
+            Protocol::Closed => return,
+            Protocol::Http => {
+                let hop = Arc::new(hop);
+                let svc = move |req| {
+                    let (this, hop) = (self.clone(), hop.clone());
+                    async move { this.handle(req, &hop).await }
+                };
+                return serve_http(PrefixedIo::new(prefix, io), svc, watcher).await;
+            }
+            Protocol::OpaqueTransport => Refusal::OpaqueUndeclared,
+            Protocol::Unrecognized(why) => Refusal::NotHttp(why),
+        };
+        self.metrics.refuse(refusal.reason());
+        if let Some(suppressed) = REFUSAL_LOG.allow() {
+            tracing::warn!(%peer, reason = %refusal, suppressed, "inbound connection refused");
+        }
+        if let Refusal::NotHttp(why) = refusal {
+            if why.answer_400() {
+                let _ = io.write_all(&raw_bad_request(&why.to_string())).await;
+                let _ = io.shutdown().await;
+            }
+        }
     }
 
     async fn handle(&self, req: Request<Incoming>, hop: &Hop) -> Response<Body> {
         let start = Instant::now();
         let grpc = is_grpc(req.headers());
         let authority = request_authority(&req).unwrap_or_else(|| self.app.to_string());
+        if req.method() == http::Method::CONNECT {
+            let rsp = error_response(&ProxyError::ConnectUnsupported, grpc);
+            return self.metrics.record_response(
+                rsp,
+                "inbound",
+                authority,
+                start.elapsed(),
+                hop.clone(),
+            );
+        }
         let version = req.version();
         let (mut parts, body) = req.into_parts();
         let downgrade = parts.headers.remove(ORIG_PROTO).is_some();
         strip_hop_by_hop(&mut parts.headers);
-        parts.headers.remove(CLIENT_ID);
+        strip_mesh_asserted(&mut parts.headers);
         if let Some(id) = hop
             .client_id
             .as_deref()
@@ -177,6 +276,9 @@ impl Inbound {
             Ok(rsp) => {
                 let (mut parts, body) = rsp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
+                // Only the proxy may say that it, not the app, failed: the
+                // client's proxy retries on that word.
+                parts.headers.remove(PROXY_ERROR);
                 Response::from_parts(parts, body.boxed())
             }
             Err(e) => {
@@ -188,7 +290,7 @@ impl Inbound {
             .record_response(rsp, "inbound", authority, start.elapsed(), hop.clone())
     }
 
-    async fn forward_tcp(&self, mut client: BoxedIo, prefix: bytes::Bytes, peer: SocketAddr) {
+    async fn forward_tcp(&self, mut client: BoxedIo, prefix: Bytes, peer: SocketAddr) {
         let mut app = match self.connector.connect(self.app, None).await {
             Ok((s, _)) => s,
             Err(reason) => {

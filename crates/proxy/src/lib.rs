@@ -68,6 +68,9 @@ pub struct ProxyConfig {
     pub admin: SocketAddr,
     /// The local app's address, for inbound traffic.
     pub app: Option<SocketAddr>,
+    /// The app's port is declared opaque: inbound TCP is forwarded as is.
+    /// Otherwise the inbound forwards only HTTP and refuses anything else.
+    pub inbound_opaque: bool,
     /// Local listeners pinned to one service each: (listen address, authority).
     pub upstreams: Vec<(SocketAddr, String)>,
     /// How long a request waits for a service to have an endpoint.

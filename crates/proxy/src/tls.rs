@@ -148,15 +148,24 @@ impl Connector {
 
 /// Terminates TLS on an accepted connection whose first bytes (`prefix`)
 /// were already read; returns the stream and the client's verified identity.
+/// How long a client may take to complete a TLS handshake.
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub async fn terminate(
     config: Arc<rustls::ServerConfig>,
     prefix: bytes::Bytes,
     stream: tokio::net::TcpStream,
 ) -> std::io::Result<(BoxedIo, Option<Arc<str>>)> {
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    let tls = acceptor
-        .accept(crate::detect::PrefixedIo::new(prefix, stream))
-        .await?;
+    let handshake = acceptor.accept(crate::detect::PrefixedIo::new(prefix, stream));
+    let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("TLS handshake not done within {HANDSHAKE_TIMEOUT:?}"),
+            )
+        })??;
     let client_id = tls
         .get_ref()
         .1

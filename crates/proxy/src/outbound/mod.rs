@@ -16,10 +16,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use http::{Request, Response, Version};
+use bytes::Bytes;
+use http::{Method, Request, Response, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tether_admin::{Readiness, Shutdown};
+use tether_core::log_limit::LogLimit;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -27,11 +29,12 @@ use self::forward::{Forwarder, Unavailable};
 use self::service::Service;
 use crate::balance::{pick, EndpointHandle};
 use crate::client::{EndpointClient, Proto};
-use crate::detect::OPAQUE_PREFACE;
+use crate::detect::{detect, PrefixedIo, Protocol, Unrecognized, OPAQUE_PREFACE};
 use crate::discovery::Discovery;
 use crate::errors::ProxyError;
 use crate::http::{
-    error_response, is_grpc, request_authority, rewrite_for_hop, strip_hop_by_hop, Body, ORIG_PROTO,
+    error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
+    strip_mesh_asserted, Body, ORIG_PROTO, PROXY_ERROR,
 };
 use crate::metrics::{AuthorityLabels, Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http};
@@ -44,6 +47,10 @@ const CONNECT_ATTEMPTS: usize = 3;
 const MAX_RETRIES: usize = 3;
 /// Services unused this long are forgotten (and their discovery stream ended).
 const IDLE_SERVICE: Duration = Duration::from_secs(300);
+/// How long an intercepted connection may take to send its first line.
+const DETECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Refused connections are counted one by one but logged at most this often.
+static REFUSAL_LOG: LogLimit = LogLimit::new(Duration::from_secs(5));
 
 pub struct Outbound {
     discovery: Discovery,
@@ -164,20 +171,38 @@ impl Outbound {
                 return;
             }
         };
-        let (proto, prefix) =
-            match crate::detect::detect(&mut stream, Duration::from_secs(10)).await {
-                Ok(d) => d,
-                Err(_) => return,
-            };
-        let io = crate::detect::PrefixedIo::new(prefix, stream);
-        if proto == crate::detect::Protocol::Http && !endpoints.iter().any(|h| h.endpoint.opaque) {
-            let svc = move |req| {
-                let (this, authority) = (self.clone(), authority.clone());
-                async move { this.handle(req, Some(&authority)).await }
-            };
-            serve_http(io, svc, watcher).await;
-        } else if proto != crate::detect::Protocol::Closed {
-            self.forward_tcp(Box::new(io), &authority, &endpoints).await;
+        if endpoints.iter().any(|h| h.endpoint.opaque) {
+            // Declared opaque: no detection (the server may speak first).
+            return self
+                .forward_tcp(Box::new(stream), &authority, &endpoints)
+                .await;
+        }
+        let (proto, prefix) = match detect(&mut stream, Bytes::new(), DETECT_TIMEOUT).await {
+            Ok(d) => d,
+            Err(_) => return,
+        };
+        let why = match proto {
+            Protocol::Closed => return,
+            Protocol::Http => {
+                let io = PrefixedIo::new(prefix, stream);
+                let svc = move |req| {
+                    let (this, authority) = (self.clone(), authority.clone());
+                    async move { this.handle(req, Some(&authority)).await }
+                };
+                return serve_http(io, svc, watcher).await;
+            }
+            Protocol::OpaqueTransport => Unrecognized::BadRequestLine,
+            Protocol::Unrecognized(why) => why,
+        };
+        // Not HTTP, to a port not declared opaque: refused, never forwarded
+        // as bytes (see `detect`).
+        self.metrics.refuse_outbound(why.reason());
+        if let Some(suppressed) = REFUSAL_LOG.allow() {
+            tracing::warn!(%dst, reason = %why, suppressed, "outbound connection refused: not HTTP and the port is not declared opaque");
+        }
+        if why.answer_400() {
+            let _ = stream.write_all(&raw_bad_request(&why.to_string())).await;
+            let _ = stream.shutdown().await;
         }
     }
 
@@ -310,6 +335,16 @@ impl Outbound {
     pub async fn handle(&self, req: Request<Incoming>, pinned: Option<&str>) -> Response<Body> {
         let start = Instant::now();
         let grpc = is_grpc(req.headers());
+        if req.method() == Method::CONNECT {
+            let rsp = error_response(&ProxyError::ConnectUnsupported, grpc);
+            return self.metrics.record_response(
+                rsp,
+                "outbound",
+                String::new(),
+                start.elapsed(),
+                Hop::default(),
+            );
+        }
         let absolute = req.uri().scheme().is_some();
         let authority = match pinned
             .map(str::to_string)
@@ -366,6 +401,7 @@ impl Outbound {
             parts.version
         };
         strip_hop_by_hop(&mut parts.headers);
+        strip_mesh_asserted(&mut parts.headers);
         parts.headers.remove(ORIG_PROTO);
         let budget = svc.retry_budget();
         budget.deposit();
@@ -508,6 +544,10 @@ impl Outbound {
                     in_flight.observe(sent.elapsed());
                     let (mut parts, body) = rsp.into_parts();
                     strip_hop_by_hop(&mut parts.headers);
+                    if !ep.endpoint.meshed {
+                        // Only a peer proxy may say that it, not the app, failed.
+                        parts.headers.remove(PROXY_ERROR);
+                    }
                     Ok((Response::from_parts(parts, body.boxed()), hop))
                 }
                 Err(e) => {
@@ -542,6 +582,7 @@ impl Outbound {
         };
         let (mut parts, body) = req.into_parts();
         strip_hop_by_hop(&mut parts.headers);
+        strip_mesh_asserted(&mut parts.headers);
         parts.headers.remove(ORIG_PROTO);
         let conn = client
             .connection(proto)
@@ -555,6 +596,7 @@ impl Outbound {
         })?;
         let (mut parts, body) = rsp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
+        parts.headers.remove(PROXY_ERROR);
         Ok((Response::from_parts(parts, body.boxed()), tls))
     }
 
