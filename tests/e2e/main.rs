@@ -10,6 +10,7 @@ mod diagnostics;
 mod discovery;
 mod drain;
 mod errors;
+mod gateway;
 mod hostile;
 mod identity;
 mod intercept;

@@ -438,3 +438,71 @@ impl Mesh {
         self.client.addr("outbound")
     }
 }
+
+/// A client TLS config presenting a fresh certificate for `identity`,
+/// certified by the control plane at `control` with a token from `ca`, and
+/// trusting `ca`'s root.
+pub async fn certified_client_tls(
+    control: SocketAddr,
+    ca: &Path,
+    identity: &str,
+) -> std::sync::Arc<rustls::ClientConfig> {
+    use linkerd2_proxy_api::identity::{identity_client::IdentityClient, CertifyRequest};
+    let key = tether_identity::csr::generate(identity).unwrap();
+    let token = tether_identity::token::LocalTokens::load(ca)
+        .unwrap()
+        .issue(identity)
+        .into_bytes();
+    let rsp = IdentityClient::connect(format!("http://{control}"))
+        .await
+        .unwrap()
+        .certify(CertifyRequest {
+            identity: identity.into(),
+            token,
+            certificate_signing_request: key.csr_der,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let store = tether_identity::tls::CertStore::new();
+    let expires = tether_identity::cert::not_after(&rsp.leaf_certificate).unwrap();
+    store
+        .install(
+            rsp.leaf_certificate,
+            rsp.intermediate_certificates,
+            key.key_pkcs8,
+            expires,
+        )
+        .unwrap();
+    let roots = tether_identity::tls::load_roots(&ca.join("ca.crt")).unwrap();
+    tether_identity::tls::client_config(store, std::sync::Arc::new(roots)).unwrap()
+}
+
+/// One HTTP/1.1 GET over TLS to `connect`, verifying the server as
+/// `server_identity`.
+pub async fn tls_get(
+    connect: SocketAddr,
+    tls: std::sync::Arc<rustls::ClientConfig>,
+    server_identity: &str,
+    authority: &str,
+) -> anyhow::Result<Answer> {
+    let tcp = tokio::net::TcpStream::connect(connect).await?;
+    let name = rustls::pki_types::ServerName::try_from(server_identity.to_string())?;
+    let stream = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await?;
+    let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(conn);
+    let req = http::Request::get("/")
+        .header(http::header::HOST, authority)
+        .body(Full::new(Bytes::new()))?;
+    let rsp = s.send_request(req).await?;
+    let (status, version, headers) = (rsp.status(), rsp.version(), rsp.headers().clone());
+    let body = rsp.into_body().collect().await?.to_bytes();
+    Ok(Answer {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+        version,
+    })
+}
