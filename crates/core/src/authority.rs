@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use crate::truncate::for_log;
+
 /// The port assumed when an authority names none (plain HTTP).
 pub const DEFAULT_PORT: u16 = 80;
 
@@ -43,10 +45,11 @@ pub struct ServiceAuthority {
 pub enum AuthorityError {
     #[error("authority is empty")]
     Empty,
-    #[error("invalid port in authority {0:?}")]
+    #[error("invalid port in authority {}", for_log(.0))]
     InvalidPort(String),
     #[error(
-        "{authority:?} is not a service name: expected name.namespace.svc.{cluster_domain}[:port]"
+        "{} is not a service name: expected name.namespace.svc.{cluster_domain}[:port]",
+        for_log(authority)
     )]
     NotAService {
         authority: String,
@@ -167,6 +170,73 @@ mod tests {
             parse_service_authority("", "cluster.local"),
             Err(AuthorityError::Empty)
         );
+    }
+
+    #[test]
+    fn errors_do_not_echo_huge_authorities() {
+        let huge = format!("{}:80", "x".repeat(1 << 20));
+        let e = parse_service_authority(&huge, "cluster.local").unwrap_err();
+        assert!(e.to_string().len() < 256, "{e}");
+        let huge = format!("web.demo:{}", "9".repeat(1 << 20));
+        let e = parse_service_authority(&huge, "cluster.local").unwrap_err();
+        assert!(e.to_string().len() < 256, "{e}");
+    }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        /// Authorities close to valid ones (so parsing gets past the
+        /// first check), and arbitrary text.
+        fn authority() -> impl Strategy<Value = String> {
+            prop_oneof![
+                any::<String>(),
+                "[a-zA-Z0-9._\\[\\]:-]{0,40}",
+                (
+                    "[a-z0-9-]{0,64}",
+                    "[a-z0-9-]{0,64}",
+                    prop::sample::select(vec![
+                        "",
+                        ".svc",
+                        ".svc.cluster.local",
+                        ".svc.cluster.local.",
+                        ".svc.other"
+                    ]),
+                    prop::option::of("[0-9]{0,7}|[^0-9]{0,3}"),
+                )
+                    .prop_map(|(n, ns, suffix, port)| match port {
+                        Some(p) => format!("{n}.{ns}{suffix}:{p}"),
+                        None => format!("{n}.{ns}{suffix}"),
+                    }),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            #[test]
+            fn parsing_never_panics_and_accepts_only_services(a in authority()) {
+                match parse_service_authority(&a, "cluster.local") {
+                    Ok(got) => {
+                        prop_assert!(is_dns_label(&got.service.name));
+                        prop_assert!(is_dns_label(&got.service.namespace));
+                        prop_assert!(got.port != 0);
+                        // What was accepted parses again from its own name.
+                        let again = format!("{}:{}", got.service.fqdn("cluster.local"), got.port);
+                        prop_assert_eq!(parse_service_authority(&again, "cluster.local"), Ok(got));
+                    }
+                    Err(e) => prop_assert!(e.to_string().len() < 256),
+                }
+            }
+
+            #[test]
+            fn splitting_never_panics(a in any::<String>()) {
+                if let Ok((host, port)) = split_host_port(&a) {
+                    prop_assert!(!host.is_empty() && port != 0);
+                    prop_assert!(a.starts_with(host));
+                }
+            }
+        }
     }
 
     #[test]

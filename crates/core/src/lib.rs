@@ -7,6 +7,8 @@
 //!   and by `tether up`, which writes it.
 //! - [`log_limit`]: at most one log line per interval for conditions a
 //!   client can repeat at will.
+//! - [`truncate`]: bounded echoes of untrusted input (a prefix plus the
+//!   length), for every log line, error and operator output that quotes it.
 //! - [`prom`]: a small reader of the Prometheus text format, for the operator
 //!   tools that scrape Tether's own admin endpoints.
 
@@ -14,3 +16,4 @@ pub mod authority;
 pub mod log_limit;
 pub mod prom;
 pub mod registry;
+pub mod truncate;

@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::authority::{is_dns_label, ServiceKey};
+use crate::truncate::{bounded_message, for_log};
 
 /// How a service with a global id uses other clusters (reserved for
 /// multicluster; parsed and validated today, not yet acted upon).
@@ -169,7 +170,12 @@ impl Document {
     }
 }
 
+/// The longest identity, endpoint name, zone or global id a document may
+/// carry: a DNS name's limit, so nothing longer reaches proxies or logs.
+pub const MAX_NAME_BYTES: usize = 253;
+
 /// Why a document was rejected. `document` counts from 1 within its file.
+/// `message` is bounded ([`bounded_message`]): values it quotes are cut.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("document {document}: {message}")]
 pub struct DocumentError {
@@ -183,8 +189,14 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
     let mut docs = Vec::new();
     for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let document = i + 1;
-        let err = |message: String| DocumentError { document, message };
-        let value = serde_yaml::Value::deserialize(de).map_err(|e| err(e.to_string()))?;
+        let err = |message: String| DocumentError {
+            document,
+            message: bounded_message(message),
+        };
+        let value = serde_yaml::Value::deserialize(de).map_err(|e| DocumentError {
+            document,
+            message: bounded_message(e),
+        })?;
         if value.is_null() {
             continue; // an empty document, e.g. a trailing `---`
         }
@@ -202,11 +214,16 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
             Some("Endpoints") => from_mapping::<EndpointsDoc>(map)
                 .map(Document::Endpoints)
                 .map_err(|e| err(format!("Endpoints: {e}")))?,
-            _ => {
+            Some(other) => {
                 return Err(err(format!(
                     "field `kind`: expected Service or Endpoints, got {}",
-                    serde_yaml::to_string(&kind).unwrap_or_default().trim()
+                    for_log(other)
                 )))
+            }
+            None => {
+                return Err(err(
+                    "field `kind`: expected Service or Endpoints, got a non-string".into(),
+                ))
             }
         };
         validate(&doc).map_err(err)?;
@@ -219,14 +236,26 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
 /// (`field `endpoints[2].address`: …`).
 fn from_mapping<T: serde::de::DeserializeOwned>(map: serde_yaml::Mapping) -> Result<T, String> {
     serde_path_to_error::deserialize(serde_yaml::Value::Mapping(map)).map_err(|e| {
-        let path = e.path().to_string();
+        // The path names keys of the input, which may be huge too.
+        let path = bounded_message(e.path());
         let inner = e.into_inner();
         if path == "." {
-            inner.to_string()
+            bounded_message(inner)
         } else {
-            format!("field `{path}`: {inner}")
+            bounded_message(format_args!("field `{path}`: {inner}"))
         }
     })
+}
+
+/// Checks a free-form name (identity, endpoint name, zone) is not absurdly long.
+fn check_length(field: &str, value: &str) -> Result<(), String> {
+    if value.len() > MAX_NAME_BYTES {
+        return Err(format!(
+            "field `{field}`: {} is longer than {MAX_NAME_BYTES} bytes",
+            for_log(value)
+        ));
+    }
+    Ok(())
 }
 
 /// Checks what serde cannot: names, ports, weights. Messages start with the
@@ -238,12 +267,14 @@ pub fn validate(doc: &Document) -> Result<(), String> {
     };
     if !is_dns_label(name) {
         return Err(format!(
-            "field `{name_field}`: {name:?} is not a valid name (lowercase letters, digits and '-', at most 63)"
+            "field `{name_field}`: {} is not a valid name (lowercase letters, digits and '-', at most 63)",
+            for_log(name)
         ));
     }
     if !is_dns_label(namespace) {
         return Err(format!(
-            "field `namespace`: {namespace:?} is not a valid namespace"
+            "field `namespace`: {} is not a valid namespace",
+            for_log(namespace)
         ));
     }
     if let Document::Service(s) = doc {
@@ -263,9 +294,11 @@ pub fn validate(doc: &Document) -> Result<(), String> {
             }
         }
         if let Some(g) = &s.global_id {
+            check_length("global_id", g)?;
             if g.is_empty() || !g.split('.').all(is_dns_label) {
                 return Err(format!(
-                    "field `global_id`: {g:?} is not a valid global id (lowercase DNS labels separated by dots)"
+                    "field `global_id`: {} is not a valid global id (lowercase DNS labels separated by dots)",
+                    for_log(g)
                 ));
             }
         }
@@ -297,10 +330,17 @@ pub fn validate(doc: &Document) -> Result<(), String> {
             return Err(format!("field `endpoints[{i}].port`: must be 1-65535"));
         }
         if let Some(id) = &ep.identity {
+            check_length(&format!("endpoints[{i}].identity"), id)?;
             if id.is_empty() || !id.split('.').all(|l| !l.is_empty()) {
                 return Err(format!(
-                    "field `endpoints[{i}].identity`: {id:?} is not a DNS-like name"
+                    "field `endpoints[{i}].identity`: {} is not a DNS-like name",
+                    for_log(id)
                 ));
+            }
+        }
+        for (field, value) in [("zone", &ep.zone), ("name", &ep.name)] {
+            if let Some(value) = value {
+                check_length(&format!("endpoints[{i}].{field}"), value)?;
             }
         }
     }
@@ -391,6 +431,117 @@ endpoints:
             "kind: Service\nname: web\nports: [{port: 80}]\n---\nkind: Service\nname: [\n",
         );
         assert!(e.starts_with("document 2"), "{e}");
+    }
+
+    /// The longest error a document may produce, whatever it holds.
+    const MAX_ERROR_BYTES: usize = 1024;
+
+    #[test]
+    fn huge_values_are_not_echoed_whole() {
+        let huge = "a".repeat(1 << 20);
+        for text in [
+            format!("kind: Service\nname: {huge}\nports: [{{port: 80}}]\n"),
+            format!("kind: {huge}\n"),
+            format!("kind: Service\nname: web\nports: [{{port: 80}}]\n{huge}: 1\n"),
+            format!("kind: Endpoints\nservice: web\nendpoints: [{{address: \"{huge}\"}}]\n"),
+            format!("kind: Endpoints\nservice: web\nendpoints: [{{address: 1.2.3.4:80, identity: {huge}}}]\n"),
+            format!("kind: Service\nname: web\nports: [{{port: 80}}]\nglobal_id: {huge}\n"),
+            format!("kind: Service\nname: [{huge}\n"),
+        ] {
+            let e = error_of(&text);
+            assert!(e.len() < MAX_ERROR_BYTES, "{} bytes: {}", e.len(), &e[..2000.min(e.len())]);
+        }
+        let e = error_of(&format!(
+            "kind: Service\nname: {huge}\nports: [{{port: 80}}]\n"
+        ));
+        assert!(e.contains("aaaa…\" (1048576 bytes)"), "{e}");
+    }
+
+    #[test]
+    fn names_are_bounded() {
+        let long = format!("{}.b", "a".repeat(MAX_NAME_BYTES));
+        let e = error_of(&format!(
+            "kind: Endpoints\nservice: web\nendpoints: [{{address: 1.2.3.4:80, identity: {long}}}]\n"
+        ));
+        assert!(
+            e.contains("field `endpoints[0].identity`") && e.contains("longer than 253"),
+            "{e}"
+        );
+        let e = error_of(&format!(
+            "kind: Endpoints\nservice: web\nendpoints: [{{address: 1.2.3.4:80, zone: {long}}}]\n"
+        ));
+        assert!(e.contains("field `endpoints[0].zone`"), "{e}");
+    }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        /// Fragments of registry documents, so random input reaches past the
+        /// YAML parser into the field checks, plus raw noise.
+        fn registry_text() -> impl Strategy<Value = String> {
+            let fragment = prop_oneof![
+                Just("kind: Service\n".to_string()),
+                Just("kind: Endpoints\n".to_string()),
+                Just("---\n".to_string()),
+                Just("name: web\n".to_string()),
+                Just("service: web\n".to_string()),
+                Just("ports: [{port: 80}]\n".to_string()),
+                Just("endpoints:\n  - address: 127.0.0.1:80\n".to_string()),
+                Just("    identity: ".to_string()),
+                Just("    weight: 0\n".to_string()),
+                "[a-z_]{1,8}: [a-z0-9.:\\[\\]{}\"-]{0,12}\n",
+                any::<String>(),
+                // One long value where an echo would show: a field's value.
+                (
+                    prop::sample::select(vec![
+                        "kind",
+                        "name",
+                        "namespace",
+                        "global_id",
+                        "    identity",
+                        "    zone",
+                        "  - address",
+                        "    adress"
+                    ]),
+                    0usize..20_000,
+                    prop_oneof![Just('a'), Just('.'), any::<char>()],
+                )
+                    .prop_map(|(key, n, c)| {
+                        format!("{key}: {}\n", std::iter::repeat_n(c, n).collect::<String>())
+                    }),
+            ];
+            proptest::collection::vec(fragment, 0..12).prop_map(|v| v.concat())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            #[test]
+            fn parsing_never_panics_and_errors_are_bounded(text in registry_text()) {
+                if let Err(e) = parse_documents(&text) {
+                    let e = e.to_string();
+                    prop_assert!(e.len() < super::MAX_ERROR_BYTES, "{} bytes", e.len());
+                }
+            }
+
+            #[test]
+            fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+                let text = String::from_utf8_lossy(&bytes);
+                if let Err(e) = parse_documents(&text) {
+                    prop_assert!(e.to_string().len() < super::MAX_ERROR_BYTES);
+                }
+            }
+
+            #[test]
+            fn accepted_documents_round_trip(text in registry_text()) {
+                if let Ok(docs) = parse_documents(&text) {
+                    for doc in docs {
+                        prop_assert_eq!(parse_documents(&doc.to_yaml()).unwrap(), vec![doc]);
+                    }
+                }
+            }
+        }
     }
 
     #[test]
