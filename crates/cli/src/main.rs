@@ -52,6 +52,10 @@ enum Command {
         /// `kubernetes` to watch Services, EndpointSlices and Pods.
         #[arg(long)]
         registry: PathBuf,
+        /// The largest registry file read; a larger one is refused with an
+        /// error naming it (docs/registry.md).
+        #[arg(long, default_value_t = tether_control::registry::file::MAX_FILE_BYTES)]
+        registry_max_file_bytes: u64,
         /// With --registry kubernetes: the API server URL (default: in-cluster
         /// configuration, else the kubeconfig).
         #[arg(long)]
@@ -425,6 +429,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Control {
             registry,
+            registry_max_file_bytes,
             kube_api,
             token_audience,
             grpc,
@@ -464,6 +469,7 @@ async fn main() -> anyhow::Result<()> {
             );
             let config = tether_control::ControlConfig {
                 registry_dir: registry,
+                registry_max_file_bytes,
                 kube_api,
                 token_audience,
                 grpc_addr: grpc,

@@ -20,6 +20,8 @@ use crate::registry::{file::FileRegistry, Registry, LOADED};
 pub struct ControlConfig {
     /// A registry directory, or `kubernetes`.
     pub registry_dir: PathBuf,
+    /// The largest registry file read (file registry only).
+    pub registry_max_file_bytes: u64,
     /// With the Kubernetes registry: the API server's URL (default: in-cluster
     /// configuration or the kubeconfig).
     pub kube_api: Option<String>,
@@ -202,7 +204,9 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         tokio::spawn(k8s.run(index.clone(), loaded))
     } else {
         tokio::spawn(
-            FileRegistry::new(&config.registry_dir, metrics.clone()).run(index.clone(), loaded),
+            FileRegistry::new(&config.registry_dir, metrics.clone())
+                .with_max_file_bytes(config.registry_max_file_bytes)
+                .run(index.clone(), loaded),
         )
     };
     // Answer no discovery before the first full load: an empty index would

@@ -155,8 +155,8 @@ pub async fn run(o: &CheckOptions) -> anyhow::Result<bool> {
             Ok((services, rejected)) => {
                 for r in &rejected {
                     report.fail(
-                        format!("registry file rejected: {r}"),
-                        "fix the named field; the last good state is served",
+                        r.clone(),
+                        "fix the named file (docs/registry.md); the last good state is served",
                     );
                 }
                 let mut differing = Vec::new();

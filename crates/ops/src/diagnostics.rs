@@ -16,6 +16,7 @@ use linkerd2_proxy_api::destination::{
 };
 use tether_control::registry::file::read_once;
 use tether_core::authority::parse_service_authority;
+use tether_core::truncate::{bounded_message, for_log};
 
 /// How long to wait for a replica to answer, and for its stream to go quiet.
 const ANSWER: Duration = Duration::from_secs(3);
@@ -66,7 +67,7 @@ pub async fn replica_view(control: &str, authority: &str) -> Result<View, String
     let mut stream = tokio::time::timeout(ANSWER, client.get(req))
         .await
         .map_err(|_| "no answer".to_string())?
-        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+        .map_err(|s| format!("{:?}: {}", s.code(), bounded_message(s.message())))?
         .into_inner();
     let mut view = View::default();
     let mut wait = ANSWER;
@@ -74,7 +75,7 @@ pub async fn replica_view(control: &str, authority: &str) -> Result<View, String
         let msg = match tokio::time::timeout(wait, stream.message()).await {
             Err(_) if view.exists.is_some() => return Ok(view),
             Err(_) => return Err("no update within 3s".into()),
-            Ok(Err(s)) => return Err(format!("stream failed: {}", s.message())),
+            Ok(Err(s)) => return Err(format!("stream failed: {}", bounded_message(s.message()))),
             Ok(Ok(None)) => return Ok(view),
             Ok(Ok(Some(m))) => m,
         };
@@ -173,16 +174,33 @@ fn print_view(name: &str, view: &View) {
         "  {:<24} {:<6} {:<56} {:<10} {:>6}",
         "ADDRESS", "READY", "IDENTITY", "ZONE", "WEIGHT"
     );
+    // Replicas may be any control plane: what they send is cut short.
+    let shown = |value: &Option<String>| value.as_deref().map_or("-".into(), bounded_message);
     for (addr, r) in &view.endpoints {
         println!(
             "  {:<24} {:<6} {:<56} {:<10} {:>6}",
             addr.to_string(),
             if r.ready { "yes" } else { "no" },
-            r.identity.as_deref().unwrap_or("-"),
-            r.zone.as_deref().unwrap_or("-"),
+            shown(&r.identity),
+            shown(&r.zone),
             r.weight
         );
     }
+}
+
+/// A row for a difference line, values cut short.
+fn describe(row: &Row) -> String {
+    let opt = |v: &Option<String>| {
+        v.as_deref()
+            .map_or("-".to_string(), |v| for_log(v).to_string())
+    };
+    format!(
+        "ready={} identity={} zone={} weight={}",
+        row.ready,
+        opt(&row.identity),
+        opt(&row.zone),
+        row.weight
+    )
 }
 
 /// The differences between two views of ready endpoints, one per line.
@@ -194,9 +212,11 @@ pub fn differences(a_name: &str, a: &View, b_name: &str, b: &View) -> Vec<String
         match (ra.get(addr), rb.get(addr)) {
             (Some(_), None) => out.push(format!("{addr}: served by {a_name}, not by {b_name}")),
             (None, Some(_)) => out.push(format!("{addr}: served by {b_name}, not by {a_name}")),
-            (Some(x), Some(y)) if x != y => {
-                out.push(format!("{addr}: {a_name} says {x:?}, {b_name} says {y:?}"))
-            }
+            (Some(x), Some(y)) if x != y => out.push(format!(
+                "{addr}: {a_name} says {}, {b_name} says {}",
+                describe(x),
+                describe(y)
+            )),
             _ => {}
         }
     }
@@ -237,7 +257,7 @@ pub async fn endpoints(
         let name = format!("registry {}", dir.display());
         print_view(&name, &view);
         for r in rejected {
-            println!("  rejected file (not served): {r}");
+            println!("  {r}");
         }
         views.push((name, view));
     }

@@ -4,16 +4,37 @@
 //! re-read, and only the services those files mention are rebuilt, so the
 //! cost of a reload follows the size of the change, not of the registry.
 //! Events arriving within a short window are coalesced into one batch. A
-//! periodic rescan compares modification stamps and catches anything the
-//! watcher missed (or dropped when its bounded queue was full).
+//! periodic rescan compares stamps and catches anything the watcher missed
+//! (or dropped when its bounded queue was full). `docs/registry.md` is the
+//! operator's reference for everything below.
 //!
-//! A file that fails to parse or validate is rejected as a whole and logged
-//! with its path and the failing field; whatever it contributed before stays
-//! in force. Writers should write a temporary file (a name starting with `.`
-//! or not ending in `.yaml`/`.yml`) and rename it into place, so a
-//! half-written file is never read.
+//! Symlinks are followed the same way at start, on events and on rescans,
+//! so every replica sees the same files. Entries whose name starts with `.`
+//! are never read: that is how writers hide temporary files, and how a
+//! Kubernetes ConfigMap mount hides its `..data` and timestamped
+//! directories, which the top-level links reach. A change to anything a link
+//! goes through (the `..data` swap, a link target's directory) triggers a
+//! rescan; stamps include the inode, so a file reached through a swapped
+//! link counts as changed.
+//!
+//! A file that fails to parse or validate, is too large, or is a dangling
+//! or looping link is rejected as a whole and logged with its path and why;
+//! whatever it contributed before stays in force. Writers should write a
+//! temporary file (a name starting with `.` or not ending in
+//! `.yaml`/`.yml`) and rename it into place, so a half-written file is
+//! never read.
+//!
+//! A service defined (`kind: Service`) by several files is defined by the
+//! first of them in path order; the others' documents about that service
+//! are ignored, and taken up again as soon as the conflict goes away. An
+//! endpoint address listed more than once for a service is likewise taken
+//! from its first listing. The result depends only on the files, never on
+//! the order events arrived in, so replicas agree.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Read;
+use std::net::SocketAddr;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -21,7 +42,8 @@ use std::time::{Duration, SystemTime};
 
 use notify::Watcher;
 use tether_core::authority::ServiceKey;
-use tether_core::registry::{parse_documents, Document};
+use tether_core::registry::{parse_documents, Document, EndpointSpec};
+use tether_core::truncate::bounded_message;
 use tokio::sync::mpsc;
 
 use super::{Registry, RegistryError};
@@ -32,42 +54,103 @@ use crate::metrics::ControlMetrics;
 const COALESCE_WINDOW: Duration = Duration::from_millis(10);
 /// Bound on queued watcher events; beyond it the registry rescans instead.
 const EVENT_QUEUE: usize = 4096;
+/// The largest registry file read by default: large enough for tens of
+/// thousands of endpoints, small enough that a mistaken or hostile file
+/// cannot balloon the control plane (parsing holds a few times the size).
+pub const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
+/// The default period of the full rescan.
+pub const RESCAN_INTERVAL: Duration = Duration::from_secs(5);
 
 pub struct FileRegistry {
     dir: PathBuf,
     metrics: ControlMetrics,
     rescan_interval: Duration,
+    max_file_bytes: u64,
 }
 
-type Stamp = (SystemTime, u64);
+/// What identifies one version of a file: modification time, length, and
+/// device and inode (which change when a link is repointed or a file is
+/// renamed into place, even within one timestamp tick).
+type Stamp = (SystemTime, u64, u64, u64);
 
-struct FileEntry {
-    stamp: Option<Stamp>,
-    docs: Vec<Document>,
+/// What a registry path holds, links followed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Probe {
+    File(Stamp),
+    /// Nothing at that name.
+    Absent,
+    /// Something that cannot be read as a file (dangling or looping link,
+    /// a directory, no permission): why, naming the target.
+    Broken(String),
 }
 
-/// What has been loaded: documents per file, and which files mention each
-/// service (so a change rebuilds only the services it touches).
-#[derive(Default)]
-struct Loaded {
-    files: HashMap<PathBuf, FileEntry>,
-    mentions: HashMap<ServiceKey, BTreeSet<PathBuf>>,
-    /// Rejections since this was last drained, for one-shot readers.
-    rejections: Vec<String>,
+fn probe(path: &Path) -> Probe {
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_file() => Probe::File(stamp_of(&meta)),
+        Ok(_) => Probe::Broken("not a regular file".into()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read_link(path) {
+            Ok(target) => Probe::Broken(format!(
+                "dangling symlink (its target {} does not exist)",
+                target.display()
+            )),
+            Err(_) => Probe::Absent,
+        },
+        Err(e) if e.raw_os_error() == Some(ELOOP) => {
+            Probe::Broken(format!("symlink loop (following it: {e})"))
+        }
+        Err(e) => Probe::Broken(e.to_string()),
+    }
 }
 
-pub fn is_registry_file(path: &Path) -> bool {
-    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
-        return false;
-    };
-    !name.starts_with('.') && (name.ends_with(".yaml") || name.ends_with(".yml"))
-}
+/// Linux's "too many levels of symbolic links".
+const ELOOP: i32 = 40;
 
 fn stamp_of(meta: &std::fs::Metadata) -> Stamp {
     (
         meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
         meta.len(),
+        meta.dev(),
+        meta.ino(),
     )
+}
+
+/// Reads at most `limit` bytes of `path`, refusing a longer file; never
+/// holds more than `limit + 1` bytes whatever the file grew to since its
+/// size was checked.
+fn read_bounded(path: &Path, size: u64, limit: u64) -> Result<String, String> {
+    let too_large = |size: u64| {
+        format!(
+            "the file is {size} bytes, over the limit of {limit} bytes (--registry-max-file-bytes)"
+        )
+    };
+    if size > limit {
+        return Err(too_large(size));
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        // A FIFO swapped in after the size check must not block the registry.
+        .custom_flags(O_NONBLOCK)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let mut bytes = Vec::with_capacity(size as usize + 1);
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large(bytes.len() as u64));
+    }
+    String::from_utf8(bytes).map_err(|e| format!("not UTF-8 text ({e})"))
+}
+
+/// `O_NONBLOCK` on Linux.
+const O_NONBLOCK: i32 = 0o4000;
+
+/// Whether a path names a registry file: `*.yaml` or `*.yml`, not hidden.
+pub fn is_registry_file(path: &Path) -> bool {
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+        return false;
+    };
+    !name.starts_with('.') && (name.ends_with(".yaml") || name.ends_with(".yml"))
 }
 
 impl FileRegistry {
@@ -79,12 +162,18 @@ impl FileRegistry {
         Self {
             dir,
             metrics,
-            rescan_interval: Duration::from_secs(5),
+            rescan_interval: RESCAN_INTERVAL,
+            max_file_bytes: MAX_FILE_BYTES,
         }
     }
 
     pub fn with_rescan_interval(mut self, interval: Duration) -> Self {
         self.rescan_interval = interval;
+        self
+    }
+
+    pub fn with_max_file_bytes(mut self, limit: u64) -> Self {
+        self.max_file_bytes = limit;
         self
     }
 
@@ -95,85 +184,128 @@ impl FileRegistry {
         }
     }
 
-    /// Lists the registry files and their stamps.
-    fn list(&self) -> Result<HashMap<PathBuf, Stamp>, RegistryError> {
-        let mut out = HashMap::new();
+    /// Lists the registry files, links followed, the way events see them.
+    fn list(&self) -> Result<BTreeMap<PathBuf, Probe>, RegistryError> {
+        let mut files = BTreeMap::new();
         for entry in std::fs::read_dir(&self.dir).map_err(|e| self.dir_error(e))? {
             let Ok(entry) = entry else { continue };
             let path = entry.path();
-            if !is_registry_file(&path) {
-                continue;
-            }
-            if let Ok(meta) = entry.metadata() {
-                if meta.is_file() {
-                    out.insert(path, stamp_of(&meta));
-                }
+            if is_registry_file(&path) {
+                let probe = probe(&path);
+                files.insert(path, probe);
             }
         }
-        Ok(out)
+        Ok(files)
+    }
+
+    fn loaded(&self) -> Loaded {
+        Loaded {
+            max_file_bytes: self.max_file_bytes,
+            ..Loaded::default()
+        }
     }
 }
 
+struct FileEntry {
+    probe: Probe,
+    /// The file's last good documents, served unless in conflict.
+    docs: Vec<Document>,
+}
+
+/// What has been loaded: documents per file, and which files mention each
+/// service (so a change rebuilds only the services it touches).
+struct Loaded {
+    files: HashMap<PathBuf, FileEntry>,
+    mentions: HashMap<ServiceKey, BTreeSet<PathBuf>>,
+    /// Files whose definition of a service loses to an earlier path's, as
+    /// last reported (so each conflict is logged once, and its end too).
+    losing: HashMap<ServiceKey, BTreeSet<PathBuf>>,
+    /// Registry files that are links, to the file they resolve to; and the
+    /// reverse, so an edit of a target re-reads the links to it.
+    link_of: HashMap<PathBuf, PathBuf>,
+    linked_from: HashMap<PathBuf, BTreeSet<PathBuf>>,
+    /// Set when `linked_from` changed, so the watches follow.
+    links_changed: bool,
+    max_file_bytes: u64,
+    /// Every problem, for one-shot readers; `None` in a running registry,
+    /// which only logs and counts them (keeping them would grow forever).
+    problems: Option<Vec<String>>,
+}
+
+impl Default for Loaded {
+    fn default() -> Self {
+        Self {
+            files: HashMap::new(),
+            mentions: HashMap::new(),
+            losing: HashMap::new(),
+            link_of: HashMap::new(),
+            linked_from: HashMap::new(),
+            links_changed: false,
+            max_file_bytes: MAX_FILE_BYTES,
+            problems: None,
+        }
+    }
+}
+
+/// One service's documents merged, and what was set aside doing so.
+struct Merged {
+    state: Option<ServiceState>,
+    /// The first path defining the service, and the later ones ignored.
+    winner: Option<PathBuf>,
+    losers: BTreeSet<PathBuf>,
+    /// Endpoint listings ignored because an earlier one had the address:
+    /// how many, and the first (address, kept from, ignored in).
+    duplicate_endpoints: usize,
+    first_duplicate: Option<(SocketAddr, PathBuf, PathBuf)>,
+}
+
 impl Loaded {
+    fn problem(&mut self, metrics: &ControlMetrics, message: String) {
+        metrics.registry_reload_errors.inc();
+        tracing::error!("{message}");
+        if let Some(problems) = &mut self.problems {
+            problems.push(message);
+        }
+    }
+
     /// Re-reads one file; returns the services whose state may have changed.
     fn reload(&mut self, path: &Path, metrics: &ControlMetrics) -> BTreeSet<ServiceKey> {
-        let mut touched = BTreeSet::new();
-        let meta = std::fs::metadata(path).ok().filter(|m| m.is_file());
-        let Some(meta) = meta else {
-            if let Some(old) = self.files.remove(path) {
-                metrics.registry_documents.dec_by(old.docs.len() as i64);
-                for doc in &old.docs {
-                    let key = doc.service_key();
-                    self.forget(&key, path);
-                    touched.insert(key);
-                }
-                tracing::info!(file = %path.display(), "registry file removed");
-            }
-            return touched;
-        };
-        let stamp = stamp_of(&meta);
-        if self.files.get(path).is_some_and(|f| f.stamp == Some(stamp)) {
-            return touched;
+        let probe = probe(path);
+        if self.files.get(path).is_some_and(|f| f.probe == probe) {
+            return BTreeSet::new();
         }
-        let parsed = std::fs::read_to_string(path)
-            .map_err(|e| e.to_string())
-            .and_then(|text| parse_documents(&text).map_err(|e| e.to_string()))
-            .and_then(|docs| self.check_conflicts(path, docs));
+        self.track_link(path, &probe);
+        let parsed = match &probe {
+            Probe::Absent => return self.remove(path, metrics),
+            Probe::Broken(why) => Err(why.clone()),
+            Probe::File((_, size, _, _)) => read_bounded(path, *size, self.max_file_bytes)
+                .and_then(|text| parse_documents(&text).map_err(|e| e.to_string()))
+                .and_then(check_definitions),
+        };
         let docs = match parsed {
             Ok(docs) => docs,
             Err(error) => {
-                metrics.registry_reload_errors.inc();
-                self.rejections.push(format!("{}: {error}", path.display()));
-                tracing::error!(
-                    "registry file {} rejected: {error}; its last good state stays in force",
-                    path.display()
+                self.problem(
+                    metrics,
+                    format!(
+                        "registry file {} rejected: {error}; its last good state stays in force",
+                        path.display()
+                    ),
                 );
-                // Remember the stamp so the rescan does not report it again.
-                let entry = self.files.entry(path.to_path_buf()).or_insert(FileEntry {
-                    stamp: None,
-                    docs: Vec::new(),
-                });
-                entry.stamp = Some(stamp);
-                return touched;
+                // Remember the probe so the rescan does not report it again.
+                self.files
+                    .entry(path.to_path_buf())
+                    .or_insert(FileEntry {
+                        probe: Probe::Absent,
+                        docs: Vec::new(),
+                    })
+                    .probe = probe;
+                return BTreeSet::new();
             }
         };
-        let old = self.files.insert(
-            path.to_path_buf(),
-            FileEntry {
-                stamp: Some(stamp),
-                docs,
-            },
-        );
-        let old_docs = old.map(|f| f.docs).unwrap_or_default();
-        metrics.registry_documents.dec_by(old_docs.len() as i64);
-        for doc in &old_docs {
-            let key = doc.service_key();
-            self.forget(&key, path);
-            touched.insert(key);
-        }
-        let new_docs = &self.files[path].docs;
-        metrics.registry_documents.inc_by(new_docs.len() as i64);
-        for doc in new_docs {
+        let mut touched = self.forget_docs(path, metrics);
+        metrics.registry_documents.inc_by(docs.len() as i64);
+        for doc in &docs {
             let key = doc.service_key();
             self.mentions
                 .entry(key.clone())
@@ -181,43 +313,70 @@ impl Loaded {
                 .insert(path.to_path_buf());
             touched.insert(key);
         }
+        self.files
+            .insert(path.to_path_buf(), FileEntry { probe, docs });
         metrics.registry_events_applied.inc();
         tracing::debug!(file = %path.display(), services = touched.len(), "registry file applied");
         touched
     }
 
-    fn forget(&mut self, key: &ServiceKey, path: &Path) {
-        if let Some(paths) = self.mentions.get_mut(key) {
-            paths.remove(path);
-            if paths.is_empty() {
-                self.mentions.remove(key);
+    /// Records where a link resolves to now (nothing if it is not one).
+    fn track_link(&mut self, path: &Path, probe: &Probe) {
+        let target = match probe {
+            Probe::File(_) if std::fs::symlink_metadata(path).is_ok_and(|m| m.is_symlink()) => {
+                std::fs::canonicalize(path).ok()
             }
+            _ => None,
+        };
+        if self.link_of.get(path) == target.as_ref() {
+            return;
         }
-    }
-
-    /// A service may be defined (`kind: Service`) by one file only.
-    fn check_conflicts(&self, path: &Path, docs: Vec<Document>) -> Result<Vec<Document>, String> {
-        let mut defined = HashSet::new();
-        for (i, doc) in docs.iter().enumerate() {
-            let Document::Service(_) = doc else { continue };
-            let key = doc.service_key();
-            if !defined.insert(key.clone()) {
-                return Err(format!(
-                    "document {}: service {key} is defined twice in this file",
-                    i + 1
-                ));
-            }
-            for other in self.mentions.get(&key).into_iter().flatten() {
-                if other != path && self.defines(other, &key) {
-                    return Err(format!(
-                        "document {}: service {key} is already defined in {}",
-                        i + 1,
-                        other.display()
-                    ));
+        self.links_changed = true;
+        if let Some(old) = self.link_of.remove(path) {
+            if let Some(links) = self.linked_from.get_mut(&old) {
+                links.remove(path);
+                if links.is_empty() {
+                    self.linked_from.remove(&old);
                 }
             }
         }
-        Ok(docs)
+        if let Some(target) = target {
+            self.linked_from
+                .entry(target.clone())
+                .or_default()
+                .insert(path.to_path_buf());
+            self.link_of.insert(path.to_path_buf(), target);
+        }
+    }
+
+    fn remove(&mut self, path: &Path, metrics: &ControlMetrics) -> BTreeSet<ServiceKey> {
+        self.track_link(path, &Probe::Absent);
+        let touched = self.forget_docs(path, metrics);
+        if self.files.remove(path).is_some() {
+            tracing::info!(file = %path.display(), "registry file removed");
+        }
+        touched
+    }
+
+    /// Drops what `path` contributed; returns the services it mentioned.
+    fn forget_docs(&mut self, path: &Path, metrics: &ControlMetrics) -> BTreeSet<ServiceKey> {
+        let mut touched = BTreeSet::new();
+        let Some(entry) = self.files.get_mut(path) else {
+            return touched;
+        };
+        let old = std::mem::take(&mut entry.docs);
+        metrics.registry_documents.dec_by(old.len() as i64);
+        for doc in &old {
+            let key = doc.service_key();
+            if let Some(paths) = self.mentions.get_mut(&key) {
+                paths.remove(path);
+                if paths.is_empty() {
+                    self.mentions.remove(&key);
+                }
+            }
+            touched.insert(key);
+        }
+        touched
     }
 
     fn defines(&self, path: &Path, key: &ServiceKey) -> bool {
@@ -228,54 +387,153 @@ impl Loaded {
         })
     }
 
-    /// Merges every document that mentions `key` into one service state.
-    fn merged(&self, key: &ServiceKey) -> Option<ServiceState> {
-        let paths = self.mentions.get(key)?;
+    /// Merges every document that mentions `key` into one service state:
+    /// the definition from the first path that has one, endpoints from
+    /// every file except the other definers, each address once.
+    fn merge(&self, key: &ServiceKey) -> Merged {
+        let mut merged = Merged {
+            state: None,
+            winner: None,
+            losers: BTreeSet::new(),
+            duplicate_endpoints: 0,
+            first_duplicate: None,
+        };
+        let Some(paths) = self.mentions.get(key) else {
+            return merged;
+        };
+        for path in paths.iter().filter(|p| self.defines(p, key)) {
+            if merged.winner.is_none() {
+                merged.winner = Some(path.clone());
+            } else {
+                merged.losers.insert(path.clone());
+            }
+        }
+        let Some(winner) = &merged.winner else {
+            return merged; // endpoints wait for their service to be defined
+        };
         let docs = || {
             paths
                 .iter()
-                .filter_map(|p| self.files.get(p))
-                .flat_map(|f| f.docs.iter())
-                .filter(|d| d.service_key() == *key)
+                .filter(|p| !merged.losers.contains(*p))
+                .filter_map(|p| self.files.get(p).map(|f| (p, f)))
+                .flat_map(|(p, f)| f.docs.iter().map(move |d| (p, d)))
+                .filter(|(_, d)| d.service_key() == *key)
         };
-        let Some(Document::Service(svc)) = docs().find(|d| matches!(d, Document::Service(_)))
+        let Some(Document::Service(svc)) = self.files[winner]
+            .docs
+            .iter()
+            .find(|d| matches!(d, Document::Service(_)) && d.service_key() == *key)
         else {
-            return None; // endpoints wait for their service to be defined
+            unreachable!("the winner defines the service");
         };
-        Some(ServiceState {
+        // Where each address was first listed, and for which ports.
+        let mut listed: HashMap<SocketAddr, Vec<(Option<u16>, &PathBuf)>> = HashMap::new();
+        let mut endpoints: Vec<EndpointSpec> = Vec::new();
+        let mut duplicates = 0;
+        let mut first_duplicate = None;
+        for (path, doc) in docs() {
+            for ep in doc.endpoints() {
+                let seen = listed.entry(ep.address).or_default();
+                let overlap = seen
+                    .iter()
+                    .find(|(port, _)| port.is_none() || ep.port.is_none() || *port == ep.port);
+                if let Some((_, kept_from)) = overlap {
+                    duplicates += 1;
+                    first_duplicate
+                        .get_or_insert_with(|| (ep.address, (*kept_from).clone(), path.clone()));
+                    continue;
+                }
+                seen.push((ep.port, path));
+                endpoints.push(ep.clone());
+            }
+        }
+        merged.duplicate_endpoints = duplicates;
+        merged.first_duplicate = first_duplicate;
+        merged.state = Some(ServiceState {
             ports: svc.ports.clone(),
             global_id: svc.global_id.clone(),
             mode: svc.mode,
             retry_budget: svc.retry_budget,
             cluster_ip: svc.cluster_ip,
-            endpoints: docs().flat_map(|d| d.endpoints().iter().cloned()).collect(),
-        })
+            endpoints,
+        });
+        merged
     }
+
+    /// Merges `key` and reports what changed in its conflicts: a newly
+    /// ignored definition is an error naming both files, an ended one is
+    /// logged as taken up.
+    fn merged(&mut self, key: &ServiceKey, metrics: &ControlMetrics) -> Option<ServiceState> {
+        let merged = self.merge(key);
+        let before = self.losing.remove(key).unwrap_or_default();
+        if let Some(winner) = &merged.winner {
+            for loser in merged.losers.difference(&before) {
+                self.problem(
+                    metrics,
+                    format!(
+                        "registry file {} rejected for service {key}: {} defines it too and comes first in path order; \
+                         what {} says about {key} is ignored while that lasts",
+                        loser.display(),
+                        winner.display(),
+                        loser.display(),
+                    ),
+                );
+            }
+        }
+        for taken_up in before.difference(&merged.losers) {
+            if self.defines(taken_up, key) {
+                tracing::info!(file = %taken_up.display(), service = %key, "registry file's definition of the service is no longer in conflict and takes effect");
+            }
+        }
+        if !merged.losers.is_empty() {
+            self.losing.insert(key.clone(), merged.losers);
+        }
+        if let Some((addr, kept, ignored)) = &merged.first_duplicate {
+            tracing::warn!(
+                "service {key}: {} endpoint listing(s) repeat an address listed earlier, e.g. {addr} in {} (kept) and {} (ignored); \
+                 the first listing in path order wins",
+                merged.duplicate_endpoints,
+                kept.display(),
+                ignored.display(),
+            );
+        }
+        merged.state
+    }
+}
+
+/// A file may define each service once.
+fn check_definitions(docs: Vec<Document>) -> Result<Vec<Document>, String> {
+    let mut defined = BTreeSet::new();
+    for (i, doc) in docs.iter().enumerate() {
+        if matches!(doc, Document::Service(_)) && !defined.insert(doc.service_key()) {
+            return Err(format!(
+                "document {}: service {} is defined twice in this file",
+                i + 1,
+                doc.service_key()
+            ));
+        }
+    }
+    Ok(docs)
 }
 
 /// Reads a registry directory once, exactly as the file registry would,
 /// for tools that compare it with what control planes serve. Returns every
-/// service and the files that were rejected (with why).
+/// service and the problems found (each naming its file, values cut short).
 pub fn read_once(
     dir: &Path,
-) -> Result<
-    (
-        std::collections::BTreeMap<ServiceKey, ServiceState>,
-        Vec<String>,
-    ),
-    RegistryError,
-> {
+) -> Result<(BTreeMap<ServiceKey, ServiceState>, Vec<String>), RegistryError> {
     let registry = FileRegistry::new(dir, ControlMetrics::default());
-    let mut loaded = Loaded::default();
+    let mut loaded = registry.loaded();
+    loaded.problems = Some(Vec::new());
     for path in registry.list()?.into_keys() {
         loaded.reload(&path, &registry.metrics);
     }
-    let services = loaded
-        .mentions
-        .keys()
-        .filter_map(|k| loaded.merged(k).map(|s| (k.clone(), s)))
+    let keys: Vec<ServiceKey> = loaded.mentions.keys().cloned().collect();
+    let services = keys
+        .into_iter()
+        .filter_map(|k| loaded.merged(&k, &registry.metrics).map(|s| (k, s)))
         .collect();
-    Ok((services, std::mem::take(&mut loaded.rejections)))
+    Ok((services, loaded.problems.take().unwrap_or_default()))
 }
 
 /// Applies a batch of changed paths to the index.
@@ -291,7 +549,73 @@ fn apply(
         touched.extend(loaded.reload(&path, metrics));
     }
     for key in touched {
-        index.set_service_observed(&key, loaded.merged(&key), observed_at);
+        let state = loaded.merged(&key, metrics);
+        index.set_service_observed(&key, state, observed_at);
+    }
+}
+
+/// What the watcher tells the registry loop.
+enum Change {
+    /// A registry file of the directory changed.
+    File(PathBuf),
+    /// A file some registry links resolve to changed.
+    Target(PathBuf),
+    /// Something a link may go through changed: compare every file.
+    Rescan,
+}
+
+/// What registry links point at, shared with the watcher's thread so it
+/// passes on only the events that matter.
+type SharedTargets = Arc<std::sync::RwLock<std::collections::HashSet<PathBuf>>>;
+
+/// The directories watched besides the registry directory itself: those
+/// holding link targets, so an edit there is seen as soon as one in the
+/// registry directory.
+struct TargetWatches {
+    dir: PathBuf,
+    /// Directory → whether watching it worked (a failure is logged once and
+    /// left to the periodic rescan).
+    dirs: BTreeMap<PathBuf, bool>,
+    shared: SharedTargets,
+}
+
+impl TargetWatches {
+    /// Follows the links as `loaded` last saw them.
+    fn update(&mut self, watcher: &mut impl Watcher, loaded: &mut Loaded) {
+        if !std::mem::take(&mut loaded.links_changed) {
+            return;
+        }
+        *self.shared.write().unwrap_or_else(|e| e.into_inner()) =
+            loaded.linked_from.keys().cloned().collect();
+        let wanted: BTreeSet<PathBuf> = loaded
+            .linked_from
+            .keys()
+            .filter_map(|t| t.parent())
+            .filter(|p| *p != self.dir)
+            .map(Path::to_path_buf)
+            .collect();
+        self.dirs.retain(|dir, watching| {
+            let keep = wanted.contains(dir);
+            if !keep && *watching {
+                // It may be gone already (a ConfigMap's old directory).
+                let _ = watcher.unwatch(dir);
+            }
+            keep
+        });
+        for dir in &wanted {
+            if self.dirs.contains_key(dir) {
+                continue;
+            }
+            let ok = match watcher.watch(dir, notify::RecursiveMode::NonRecursive) {
+                Ok(()) => true,
+                Err(e) => {
+                    let message = bounded_message(&e);
+                    tracing::warn!(dir = %dir.display(), "cannot watch a registry link's target directory ({message}); its changes are seen at the periodic rescan");
+                    false
+                }
+            };
+            self.dirs.insert(dir.clone(), ok);
+        }
     }
 }
 
@@ -301,9 +625,12 @@ impl Registry for FileRegistry {
         index: Index,
         loaded_cb: Box<dyn FnOnce() + Send>,
     ) -> Result<(), RegistryError> {
-        let (tx, mut rx) = mpsc::channel::<PathBuf>(EVENT_QUEUE);
+        let (tx, mut rx) = mpsc::channel::<Change>(EVENT_QUEUE);
         let overflowed = Arc::new(AtomicBool::new(false));
         let overflow_flag = overflowed.clone();
+        let dir = self.dir.clone();
+        let shared: SharedTargets = Arc::default();
+        let targets_seen = shared.clone();
         let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
             let Ok(event) = res else {
                 overflow_flag.store(true, Ordering::Relaxed);
@@ -317,7 +644,23 @@ impl Registry for FileRegistry {
                 return;
             }
             for path in event.paths {
-                if is_registry_file(&path) && tx.try_send(path).is_err() {
+                let change = if path.parent() == Some(dir.as_path()) && is_registry_file(&path) {
+                    Change::File(path)
+                } else if targets_seen
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .contains(&path)
+                {
+                    Change::Target(path)
+                } else if is_link_or_dir(&path) {
+                    // `..data` swapped, a directory links go through changed.
+                    Change::Rescan
+                } else {
+                    // A writer's temporary file (its rename is the event),
+                    // or a file no link points at.
+                    continue;
+                };
+                if tx.try_send(change).is_err() {
                     overflow_flag.store(true, Ordering::Relaxed);
                 }
             }
@@ -332,16 +675,21 @@ impl Registry for FileRegistry {
                 path: self.dir.display().to_string(),
                 source,
             })?;
+        let mut targets = TargetWatches {
+            dir: self.dir.clone(),
+            dirs: BTreeMap::new(),
+            shared,
+        };
 
-        let mut loaded = Loaded::default();
-        let files = self.list()?;
+        let mut loaded = self.loaded();
         apply(
             &mut loaded,
-            files.into_keys(),
+            self.list()?.into_keys(),
             &index,
             &self.metrics,
             std::time::Instant::now(),
         );
+        targets.update(&mut watcher, &mut loaded);
         tracing::info!(
             dir = %self.dir.display(),
             files = loaded.files.len(),
@@ -354,25 +702,42 @@ impl Registry for FileRegistry {
         rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let mut batch = BTreeSet::new();
+            let mut full = false;
             let mut observed_at = std::time::Instant::now();
-            tokio::select! {
-                path = rx.recv() => {
-                    observed_at = std::time::Instant::now();
-                    let Some(path) = path else { return Ok(()) };
+            let mut take = |change: Change| match change {
+                Change::File(path) => {
                     batch.insert(path);
+                }
+                Change::Target(target) => {
+                    batch.extend(
+                        loaded
+                            .linked_from
+                            .get(&target)
+                            .into_iter()
+                            .flatten()
+                            .cloned(),
+                    );
+                }
+                Change::Rescan => full = true,
+            };
+            tokio::select! {
+                change = rx.recv() => {
+                    observed_at = std::time::Instant::now();
+                    let Some(change) = change else { return Ok(()) };
+                    take(change);
                     let deadline = tokio::time::Instant::now() + COALESCE_WINDOW;
-                    while let Ok(Some(path)) = tokio::time::timeout_at(deadline, rx.recv()).await {
-                        batch.insert(path);
+                    while let Ok(Some(change)) = tokio::time::timeout_at(deadline, rx.recv()).await {
+                        take(change);
                     }
                 }
-                _ = rescan.tick() => {}
+                _ = rescan.tick() => full = true,
             }
-            if overflowed.swap(false, Ordering::Relaxed) || batch.is_empty() {
-                // Full comparison of stamps: new, changed and removed files.
+            if overflowed.swap(false, Ordering::Relaxed) || full {
+                // Full comparison of probes: new, changed and removed files.
                 match self.list() {
                     Ok(files) => {
-                        for (path, stamp) in &files {
-                            if loaded.files.get(path).and_then(|f| f.stamp) != Some(*stamp) {
+                        for (path, probe) in &files {
+                            if loaded.files.get(path).map(|f| &f.probe) != Some(probe) {
                                 batch.insert(path.clone());
                             }
                         }
@@ -389,14 +754,24 @@ impl Registry for FileRegistry {
             }
             if !batch.is_empty() {
                 apply(&mut loaded, batch, &index, &self.metrics, observed_at);
+                targets.update(&mut watcher, &mut loaded);
             }
         }
     }
 }
 
+/// Whether `path` is something a registry link may go through rather than
+/// a plain file. A removed entry does not count: what replaced it (the
+/// renamed `..data`), or the events inside a removed target directory,
+/// are reported too.
+fn is_link_or_dir(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| !m.file_type().is_file())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::symlink;
     use tether_core::registry::MulticlusterMode;
 
     fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
@@ -405,6 +780,35 @@ mod tests {
         let path = dir.join(name);
         std::fs::rename(&tmp, &path).unwrap();
         path
+    }
+
+    fn service(port: u16) -> String {
+        format!("kind: Service\nname: web\nports: [{{port: {port}}}]\n")
+    }
+
+    fn endpoints(addr: &str) -> String {
+        format!("kind: Endpoints\nservice: web\nendpoints: [{{address: {addr}}}]\n")
+    }
+
+    fn web() -> ServiceKey {
+        ServiceKey::new("web", "default")
+    }
+
+    /// Loads `paths` in the given order, as events would.
+    fn load_in_order(dir: &Path, names: &[&str]) -> (Loaded, Index, ControlMetrics) {
+        let metrics = ControlMetrics::default();
+        let index = Index::new(metrics.clone());
+        let mut loaded = FileRegistry::new(dir, metrics.clone()).loaded();
+        for name in names {
+            apply(
+                &mut loaded,
+                [dir.join(name)],
+                &index,
+                &metrics,
+                std::time::Instant::now(),
+            );
+        }
+        (loaded, index, metrics)
     }
 
     #[test]
@@ -436,8 +840,8 @@ mod tests {
         assert_eq!(state.endpoints.len(), 1);
         assert_eq!(state.mode, Some(MulticlusterMode::Failover));
 
-        // A broken file keeps what it contributed before.
-        std::thread::sleep(Duration::from_millis(10));
+        // A broken file keeps what it contributed before (a rename into
+        // place is a new inode: no need to wait for a new mtime).
         write(
             dir.path(),
             "web-1.yaml",
@@ -453,10 +857,10 @@ mod tests {
         assert_eq!(index.service(&key).unwrap().endpoints.len(), 1);
         assert_eq!(metrics.registry_reload_errors.get(), 1);
 
-        // A second definition of the same service is refused.
+        // A later path's second definition of the service is ignored.
         let dup = write(
             dir.path(),
-            "dup.yaml",
+            "zz-dup.yaml",
             "kind: Service\nname: web\nnamespace: demo\nports: [{port: 81}]\n",
         );
         apply(
@@ -469,16 +873,289 @@ mod tests {
         assert_eq!(metrics.registry_reload_errors.get(), 2);
         assert_eq!(index.service(&key).unwrap().ports[0].port, 80);
 
-        // Removing the service file removes the service; endpoints wait.
+        // Removing both definitions removes the service; endpoints wait.
         std::fs::remove_file(&svc).unwrap();
+        std::fs::remove_file(dir.path().join("zz-dup.yaml")).unwrap();
         apply(
             &mut loaded,
-            [svc],
+            [svc, dir.path().join("zz-dup.yaml")],
             &index,
             &metrics,
             std::time::Instant::now(),
         );
         assert!(index.service(&key).is_none());
+    }
+
+    /// Two files defining one service: the first path wins whatever order
+    /// they were loaded in, and the other takes over the moment the first
+    /// stops defining it (no `unknown service` in between).
+    #[test]
+    fn the_first_path_defines_a_duplicated_service() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = write(dir.path(), "a.yaml", &service(80));
+        write(dir.path(), "b.yaml", &service(81));
+        for order in [["a.yaml", "b.yaml"], ["b.yaml", "a.yaml"]] {
+            let (_, index, metrics) = load_in_order(dir.path(), &order);
+            assert_eq!(
+                index.service(&web()).unwrap().ports[0].port,
+                80,
+                "{order:?}"
+            );
+            assert_eq!(metrics.registry_reload_errors.get(), 1, "{order:?}");
+        }
+        let (_, problems) = read_once(dir.path()).unwrap();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("b.yaml")
+                && problems[0].contains("a.yaml")
+                && problems[0].contains("default/web"),
+            "{problems:?}"
+        );
+
+        let (mut loaded, index, metrics) = load_in_order(dir.path(), &["b.yaml", "a.yaml"]);
+        // The winner stops defining the service: b's definition at once.
+        write(dir.path(), "a.yaml", &endpoints("127.0.0.1:1"));
+        apply(
+            &mut loaded,
+            [a.clone()],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
+        let state = index.service(&web()).unwrap();
+        assert_eq!(state.ports[0].port, 81);
+        assert_eq!(state.endpoints.len(), 1);
+        // It defines it again: a wins again.
+        write(dir.path(), "a.yaml", &service(80));
+        apply(
+            &mut loaded,
+            [a.clone()],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
+        assert_eq!(index.service(&web()).unwrap().ports[0].port, 80);
+        // The winner is removed: b's definition at once.
+        std::fs::remove_file(&a).unwrap();
+        apply(
+            &mut loaded,
+            [a],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
+        assert_eq!(index.service(&web()).unwrap().ports[0].port, 81);
+    }
+
+    /// One address listed by two files: the first path's listing is served,
+    /// and diagnostics (`read_once`) says the same as the index.
+    #[test]
+    fn an_endpoint_listed_twice_is_taken_from_the_first_path() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "web.yaml", &service(80));
+        write(
+            dir.path(),
+            "eps-a.yaml",
+            "kind: Endpoints\nservice: web\nendpoints: [{address: 127.0.0.1:1, weight: 5}]\n",
+        );
+        write(
+            dir.path(),
+            "eps-b.yaml",
+            "kind: Endpoints\nservice: web\nendpoints: [{address: 127.0.0.1:1, ready: false}, {address: 127.0.0.1:2}]\n",
+        );
+        for order in [
+            ["web.yaml", "eps-a.yaml", "eps-b.yaml"],
+            ["eps-b.yaml", "eps-a.yaml", "web.yaml"],
+        ] {
+            let (_, index, _) = load_in_order(dir.path(), &order);
+            let state = index.service(&web()).unwrap();
+            assert_eq!(state.endpoints.len(), 2, "{order:?}");
+            assert_eq!(state.endpoints[0].weight, 5);
+            assert!(state.endpoints[0].ready);
+        }
+        let (services, _) = read_once(dir.path()).unwrap();
+        assert_eq!(services[&web()].endpoints.len(), 2);
+    }
+
+    /// A symlinked file, and a file reached through a symlinked directory,
+    /// are read at start like any other (a replica started later once
+    /// skipped them, and disagreed with one that saw them appear).
+    #[test]
+    fn symlinks_are_followed_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        write(elsewhere.path(), "web.txt", &service(80));
+        write(
+            elsewhere.path(),
+            "eps.txt",
+            "kind: Endpoints\nservice: web\nendpoints: [{address: 127.0.0.1:1}]\n",
+        );
+        symlink(
+            elsewhere.path().join("web.txt"),
+            dir.path().join("web.yaml"),
+        )
+        .unwrap();
+        symlink(elsewhere.path(), dir.path().join("linked")).unwrap();
+        symlink("linked/eps.txt", dir.path().join("eps.yaml")).unwrap();
+        let (services, problems) = read_once(dir.path()).unwrap();
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(services[&web()].endpoints.len(), 1);
+    }
+
+    /// A dangling link and a link loop are errors naming the path; the
+    /// rest loads.
+    #[test]
+    fn broken_links_are_named_and_the_rest_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "web.yaml", &service(80));
+        symlink("missing.txt", dir.path().join("gone.yaml")).unwrap();
+        symlink("loop-b.yaml", dir.path().join("loop-a.yaml")).unwrap();
+        symlink("loop-a.yaml", dir.path().join("loop-b.yaml")).unwrap();
+        let (services, problems) = read_once(dir.path()).unwrap();
+        assert!(services.contains_key(&web()));
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(
+            problems[0].contains("gone.yaml") && problems[0].contains("dangling symlink"),
+            "{problems:?}"
+        );
+        assert!(
+            problems[1].contains("loop-a.yaml") && problems[1].contains("symlink loop"),
+            "{problems:?}"
+        );
+    }
+
+    /// A Kubernetes ConfigMap mount: `..data` points at a timestamped
+    /// directory, each key is a top-level link through `..data`.
+    fn configmap(dir: &Path, version: &str, files: &[(&str, &str)]) {
+        let stamped = dir.join(format!("..{version}"));
+        std::fs::create_dir(&stamped).unwrap();
+        for (name, text) in files {
+            std::fs::write(stamped.join(name), text).unwrap();
+        }
+        // The atomic swap kubelet makes: a new link renamed over `..data`.
+        let old = std::fs::read_link(dir.join("..data")).ok();
+        symlink(format!("..{version}"), dir.join("..data_tmp")).unwrap();
+        std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+        for (name, _) in files {
+            let link = dir.join(name);
+            if std::fs::symlink_metadata(&link).is_err() {
+                symlink(format!("..data/{name}"), link).unwrap();
+            }
+        }
+        if let Some(old) = old {
+            std::fs::remove_dir_all(dir.join(old)).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_configmap_is_read_once_per_key() {
+        let dir = tempfile::tempdir().unwrap();
+        configmap(
+            dir.path(),
+            "2026_01_01_00_00_00.1",
+            &[
+                ("web.yaml", &service(80)),
+                ("eps.yaml", &endpoints("127.0.0.1:1")),
+            ],
+        );
+        let (services, problems) = read_once(dir.path()).unwrap();
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(services.len(), 1);
+        assert_eq!(services[&web()].endpoints.len(), 1);
+    }
+
+    /// Waits until `check` holds, bounded by `timeout`.
+    async fn until(timeout: Duration, mut check: impl FnMut() -> bool) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while tokio::time::Instant::now() < deadline {
+            if check() {
+                return true;
+            }
+            tokio::time::sleep(COALESCE_WINDOW).await;
+        }
+        check()
+    }
+
+    /// Starts a registry on `dir`; returns once its first load is in.
+    async fn running(
+        dir: &Path,
+        rescan: Duration,
+    ) -> (
+        tokio::task::JoinHandle<Result<(), RegistryError>>,
+        Index,
+        ControlMetrics,
+    ) {
+        let metrics = ControlMetrics::default();
+        let index = Index::new(metrics.clone());
+        let registry = FileRegistry::new(dir, metrics.clone()).with_rescan_interval(rescan);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(registry.run(
+            index.clone(),
+            Box::new(move || {
+                let _ = tx.send(());
+            }),
+        ));
+        rx.await.expect("the registry loaded");
+        (task, index, metrics)
+    }
+
+    /// A ConfigMap update swaps `..data`; no registry file changes name or
+    /// link. The watcher must notice without waiting for the rescan: the
+    /// rescan is set far longer than the wait.
+    #[tokio::test]
+    async fn a_configmap_update_is_picked_up_from_the_watch() {
+        let dir = tempfile::tempdir().unwrap();
+        configmap(
+            dir.path(),
+            "2026_01_01_00_00_00.1",
+            &[("web.yaml", &service(80))],
+        );
+        let rescan = Duration::from_secs(60);
+        let (task, index, metrics) = running(dir.path(), rescan).await;
+        assert_eq!(index.service(&web()).unwrap().ports[0].port, 80);
+        configmap(
+            dir.path(),
+            "2026_01_01_00_01_00.2",
+            &[
+                ("web.yaml", &service(81)),
+                ("eps.yaml", &endpoints("127.0.0.1:1")),
+            ],
+        );
+        let updated = until(rescan / 4, || {
+            index
+                .service(&web())
+                .is_some_and(|s| s.ports[0].port == 81 && s.endpoints.len() == 1)
+        })
+        .await;
+        task.abort();
+        assert!(updated, "the ..data swap was not picked up");
+        assert_eq!(metrics.registry_reload_errors.get(), 0);
+        assert_eq!(metrics.registry_documents.get(), 2);
+    }
+
+    /// A link's target edited in place, in another directory: seen from
+    /// the watch on the target's directory, not only at the rescan.
+    #[tokio::test]
+    async fn an_edit_of_a_link_target_is_picked_up_from_the_watch() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        write(elsewhere.path(), "web.txt", &service(80));
+        let rescan = Duration::from_secs(60);
+        let (task, index, _) = running(dir.path(), rescan).await;
+        // A link appearing while running is loaded like one present at start.
+        symlink(
+            elsewhere.path().join("web.txt"),
+            dir.path().join("web.yaml"),
+        )
+        .unwrap();
+        let appeared = until(rescan / 4, || index.service(&web()).is_some()).await;
+        write(elsewhere.path(), "web.txt", &service(81));
+        let edited = until(rescan / 4, || {
+            index.service(&web()).is_some_and(|s| s.ports[0].port == 81)
+        })
+        .await;
+        task.abort();
+        assert!(appeared && edited, "appeared {appeared}, edited {edited}");
     }
 
     /// A registry named by a relative path once loaded each file twice (by
@@ -494,29 +1171,76 @@ mod tests {
             .join(dir.path().strip_prefix("/").unwrap())
             .join("reg");
         assert!(spelled.is_relative() && spelled.is_dir());
-        write(
-            &spelled,
-            "web.yaml",
-            "kind: Service\nname: web\nports: [{port: 80}]\n",
-        );
-        let metrics = ControlMetrics::default();
-        let index = Index::new(metrics.clone());
-        let registry = FileRegistry::new(&spelled, metrics.clone())
-            .with_rescan_interval(Duration::from_millis(50));
-        let task = tokio::spawn(registry.run(index.clone(), Box::new(|| {})));
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        write(&spelled, "web.yaml", &service(80));
+        let rescan = Duration::from_millis(50);
+        let (task, index, metrics) = running(&spelled, rescan).await;
         // Touch it: the watcher reports the change by its absolute path.
-        write(
-            &spelled,
-            "web.yaml",
-            "kind: Service\nname: web\nports: [{port: 81}]\n",
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        write(&spelled, "web.yaml", &service(81));
+        // Loaded under a second name, it would now conflict with itself.
+        let applied = until(rescan * 40, || {
+            index.service(&web()).is_some_and(|s| s.ports[0].port == 81)
+        })
+        .await;
         task.abort();
+        assert!(applied);
         assert_eq!(metrics.registry_reload_errors.get(), 0);
         assert_eq!(metrics.registry_documents.get(), 1);
-        let svc = index.service(&ServiceKey::new("web", "default")).unwrap();
-        assert_eq!(svc.ports[0].port, 81);
+    }
+
+    /// A file over the limit is refused by its size, without reading it,
+    /// and the error names file, size and limit; the last good state stays.
+    #[test]
+    fn an_oversized_file_is_refused_by_its_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write(dir.path(), "web.yaml", &service(80));
+        let (mut loaded, index, metrics) = load_in_order(dir.path(), &["web.yaml"]);
+        // Sparse: the size is there, the bytes are not written.
+        let big = std::fs::File::options().append(true).open(&path).unwrap();
+        big.set_len(MAX_FILE_BYTES + 1).unwrap();
+        let mut problems = Vec::new();
+        loaded.problems = Some(Vec::new());
+        apply(
+            &mut loaded,
+            [path.clone()],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
+        problems.extend(loaded.problems.take().unwrap());
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        let limit = MAX_FILE_BYTES.to_string();
+        let size = (MAX_FILE_BYTES + 1).to_string();
+        assert!(
+            problems[0].contains("web.yaml")
+                && problems[0].contains(&size)
+                && problems[0].contains(&limit),
+            "{problems:?}"
+        );
+        assert_eq!(index.service(&web()).unwrap().ports[0].port, 80);
+        // The read is bounded too, for a file that grew after its size was
+        // taken.
+        let err = read_bounded(&path, 10, 100).unwrap_err();
+        assert!(err.contains("over the limit of 100 bytes"), "{err}");
+    }
+
+    /// A huge value is echoed as a prefix and its length, and a running
+    /// registry keeps no copy of its rejections.
+    #[test]
+    fn rejections_are_short_and_not_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let huge = "a".repeat(1 << 20);
+        write(
+            dir.path(),
+            "web.yaml",
+            &format!("kind: Service\nname: {huge}\nports: [{{port: 80}}]\n"),
+        );
+        let (_, problems) = read_once(dir.path()).unwrap();
+        assert_eq!(problems.len(), 1);
+        assert!(problems[0].len() < 512, "{} bytes", problems[0].len());
+        assert!(problems[0].contains("(1048576 bytes)"), "{}", problems[0]);
+        let (loaded, _, metrics) = load_in_order(dir.path(), &["web.yaml"]);
+        assert_eq!(metrics.registry_reload_errors.get(), 1);
+        assert!(loaded.problems.is_none());
     }
 
     #[test]
@@ -525,5 +1249,6 @@ mod tests {
         assert!(is_registry_file(Path::new("/r/web.yml")));
         assert!(!is_registry_file(Path::new("/r/.web.yaml")));
         assert!(!is_registry_file(Path::new("/r/web.yaml.tmp")));
+        assert!(!is_registry_file(Path::new("/r/..data")));
     }
 }
