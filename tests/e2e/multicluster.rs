@@ -404,6 +404,33 @@ async fn until_all_from(client: &Cluster, from: &str) -> BTreeMap<String, usize>
     panic!("traffic never moved entirely to {from}: last batch {last:?}\n--- {} control (last lines) ---\n{}", client.name, tail.join("\n"));
 }
 
+/// Lines of `cluster`'s control-plane log that contain every one of `words`.
+fn control_log_lines(cluster: &Cluster, words: &[&str]) -> usize {
+    cluster
+        .scratch
+        .read_log("control")
+        .lines()
+        .filter(|l| words.iter().all(|w| l.contains(w)))
+        .count()
+}
+
+/// Waits until `cluster`'s control plane has logged more than `before`
+/// lines containing every one of `words`; false after `timeout`.
+async fn control_logged(
+    cluster: &Cluster,
+    words: &[&str],
+    before: usize,
+    timeout: Duration,
+) -> bool {
+    eventually(timeout, || async {
+        control_log_lines(cluster, words) > before
+    })
+    .await
+}
+
+const REACHABLE: &str = "linked cluster reachable";
+const UNREACHABLE: &str = "linked cluster unreachable; dropped from answers";
+
 #[tokio::test]
 async fn balanced_mode_spreads_but_prefers_local_and_joins_names() {
     let clusters = mesh(vec![
@@ -478,8 +505,11 @@ async fn failover_mode_goes_remote_only_when_local_is_gone_and_comes_back() {
     ])
     .await;
     let east = &clusters[0];
-    // Give the link time to come up, then: nothing remote while local is healthy.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Once the link is up: nothing remote while local is healthy.
+    assert!(
+        control_logged(east, &[REACHABLE, "west"], 0, Duration::from_secs(20)).await,
+        "the link to west never came up"
+    );
     let healthy = spread(east, 100).await;
     assert_eq!(healthy.get("east"), Some(&100), "{healthy:?}");
 
@@ -531,8 +561,20 @@ async fn priority_tiers_and_cut_links() {
     let again = spread(east, 50).await;
     assert_eq!(again.get("west"), Some(&50), "{again:?}");
 
-    // Cut west off: it leaves the answers and traffic shifts to north.
+    // Cut west off: it leaves the answers within about a second (a silent
+    // export or gateway is stale after STALE; probes run every PROBE_EVERY
+    // and give up after PROBE_TIMEOUT), and traffic shifts to north. The
+    // bound is loose for a loaded machine, and far below any TCP timeout.
+    use tether_control::multicluster::remote::{PROBE_EVERY, PROBE_TIMEOUT, STALE};
+    let drops_before = control_log_lines(east, &[UNREACHABLE, "west"]);
+    let cut = std::time::Instant::now();
     clusters[1].net.set_link(false);
+    let bound = 3 * (STALE + PROBE_TIMEOUT + PROBE_EVERY);
+    assert!(
+        control_logged(east, &[UNREACHABLE, "west"], drops_before, bound).await,
+        "west was not dropped within {bound:?} of the cut"
+    );
+    eprintln!("west dropped {:?} after the cut", cut.elapsed());
     until_all_from(east, "north").await;
     clusters[1].net.set_link(true);
     until_all_from(east, "west").await;
@@ -562,7 +604,18 @@ async fn a_cluster_with_another_trust_root_is_refused() {
     ])
     .await;
     let east = &clusters[0];
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Reachable, but refused for its certificate: the handshake error says so.
+    assert!(
+        control_logged(
+            east,
+            &["does not chain to the trust root", "rogue"],
+            0,
+            Duration::from_secs(20)
+        )
+        .await,
+        "no trust refusal logged:\n{}",
+        east.scratch.read_log("control")
+    );
     let counts = spread(east, 10).await;
     assert!(
         !counts.contains_key("rogue"),

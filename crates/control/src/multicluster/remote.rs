@@ -27,8 +27,8 @@ use crate::index::{Index, RemoteCluster};
 
 /// How long a remote may be silent (stream or gateway) before it is dropped.
 pub const STALE: Duration = Duration::from_millis(1000);
-const PROBE_EVERY: Duration = Duration::from_millis(200);
-const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+pub const PROBE_EVERY: Duration = Duration::from_millis(200);
+pub const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 
 #[derive(Default)]
 struct Seen {
@@ -63,9 +63,13 @@ impl tower_service::Service<http::Uri> for TlsConnector {
                         std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out")
                     })??;
             let _ = tcp.set_nodelay(true);
+            let expected = this.server_name.to_str().into_owned();
+            // Say why a handshake failed (another trust root, another
+            // identity), not just that the transport did.
             let tls = tokio_rustls::TlsConnector::from(this.config)
                 .connect(this.server_name, tcp)
-                .await?;
+                .await
+                .map_err(|e| std::io::Error::other(tether_identity::tls::explain(&e, &expected)))?;
             Ok(TokioIo::new(tls))
         })
     }
@@ -164,19 +168,22 @@ async fn follow_export(
         config,
     };
     let mut backoff = Duration::from_millis(100);
+    let mut last_error: Option<String> = None;
     loop {
+        let spoke = std::sync::atomic::AtomicBool::new(false);
         let attempt = async {
             let channel = tonic::transport::Endpoint::from_static("http://export.remote")
                 .connect_timeout(PROBE_TIMEOUT * 2)
                 .connect_with_connector(connector.clone())
                 .await
-                .map_err(|e| format!("connecting: {e}"))?;
+                .map_err(|e| format!("connecting: {}", with_causes(&e)))?;
             let mut stream = watch(channel, &local_cluster)
                 .await
                 .map_err(|s| format!("Watch: {}", s.message()))?;
             loop {
                 match tokio::time::timeout(STALE * 2, stream.message()).await {
                     Ok(Ok(Some(state))) => {
+                        spoke.store(true, std::sync::atomic::Ordering::Relaxed);
                         seen.lock().unwrap().export = Some((Instant::now(), state));
                     }
                     Ok(Ok(None)) => return Err("stream ended".to_string()),
@@ -189,8 +196,20 @@ async fn follow_export(
             e = attempt => e,
             _ = shutdown.triggered() => return,
         };
-        if let Err(e) = error {
-            tracing::debug!(cluster = %link.name, error = %e, "export stream lost; reconnecting");
+        if spoke.into_inner() {
+            last_error = None;
+        }
+        match error {
+            // A new reason is worth a warning; the same one again, at every
+            // reconnect, is not.
+            Err(e) if last_error.as_ref() != Some(&e) => {
+                tracing::warn!(cluster = %link.name, error = %e, "export stream lost; reconnecting");
+                last_error = Some(e);
+            }
+            Err(e) => {
+                tracing::debug!(cluster = %link.name, error = %e, "export stream lost; reconnecting")
+            }
+            Ok(()) => last_error = None,
         }
         let pause = backoff.mul_f64(rand::rng().random_range(0.5..1.0));
         backoff = (backoff * 2).min(Duration::from_secs(2));
@@ -199,4 +218,21 @@ async fn follow_export(
             _ = shutdown.triggered() => return,
         }
     }
+}
+
+/// An error and its causes, outermost first ("transport error" alone says
+/// nothing).
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        // Wrappers often display their cause again; say it once.
+        let text = c.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
 }
