@@ -14,12 +14,16 @@ use linkerd2_proxy_api::outbound::{outbound_policies_client::OutboundPoliciesCli
 
 use crate::support::*;
 
+/// Who answered `n` requests: replica names, and `failed STATUS ERROR` for
+/// each kind of failure (so a failing request cannot go unnoticed).
 async fn replicas_seen(mesh: &Mesh, n: usize) -> BTreeSet<String> {
     let mut seen = BTreeSet::new();
     for _ in 0..n {
         let a = get(mesh.outbound(), &authority("web", 8080)).await;
         if a.status == 200 {
             seen.insert(a.replica().to_string());
+        } else {
+            seen.insert(format!("failed {} {:?}", a.status, a.proxy_error()));
         }
     }
     seen

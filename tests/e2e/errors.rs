@@ -83,3 +83,32 @@ async fn service_without_endpoints_fails_fast_after_timeout() {
     assert_eq!(a.status, 503);
     assert_eq!(a.proxy_error(), Some("service in fail-fast"));
 }
+
+#[tokio::test]
+async fn a_request_without_host_is_a_bad_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let scratch = Scratch::new();
+    let control = scratch.control().await;
+    let client = scratch
+        .proxy("client", control.addr("grpc"), None, &[])
+        .await;
+    let mut conn = tokio::net::TcpStream::connect(client.addr("outbound"))
+        .await
+        .unwrap();
+    // HTTP/1.0 has no mandatory Host; the origin-form URI names no target.
+    conn.write_all(b"GET /x HTTP/1.0\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        conn.read_to_end(&mut answer),
+    )
+    .await
+    .expect("no answer")
+    .unwrap();
+    let answer = String::from_utf8_lossy(&answer).to_lowercase();
+    assert!(answer.starts_with("http/1.0 400"), "{answer}");
+    assert!(
+        answer.contains("tether-proxy-error: request names no target"),
+        "{answer}"
+    );
+}

@@ -533,7 +533,6 @@ async fn readiness_waits_for_the_certificate() {
     let proxy = scratch
         .proxy("proxy", control.addr("grpc"), None, &args)
         .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
     let (status, body) = tether_mesh_up::stats::http_get(proxy.addr("admin"), "/ready")
         .await
         .unwrap();
@@ -585,4 +584,90 @@ async fn the_token_file_is_read_at_every_renewal() {
         .await,
         "renewals did not recover with a valid token"
     );
+}
+
+#[tokio::test]
+async fn certify_with_an_expired_issuer_is_a_failed_precondition() {
+    let scratch = Scratch::new();
+    let ca = scratch.dir.path().join("expired-ca");
+    let mut opts = tether_identity::ca::InitOptions::new(&ca, "cluster.local");
+    opts.issuer_lifetime = Duration::ZERO;
+    tether_identity::ca::init(&opts).unwrap();
+    let control = scratch.control_with_identity("control", &ca, "60").await;
+    let web = id("web");
+    let csr = tether_identity::csr::generate(&web).unwrap().csr_der;
+    let e = certify(control.addr("grpc"), &web, &token_for(&ca, &web), csr)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains("issuer certificate expired"),
+        "{}",
+        e.message()
+    );
+    let m = metrics(control.addr("admin")).await;
+    assert_eq!(
+        metric_value(
+            &m,
+            "tether_identity_certify_refusals_total",
+            &[("cause", "issuer_expired")]
+        ),
+        1.0,
+        "{m}"
+    );
+}
+
+/// A client sidecar under `--tls mandatory`, asking `control` for its
+/// certificate.
+async fn strict_client(scratch: &Scratch, ca: &Path, control: SocketAddr) -> Process {
+    let mut args = scratch.identity_args(ca, &id("strict"), ca);
+    args.extend(["--tls".to_string(), "mandatory".to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    scratch.proxy("strict", control, None, &args).await
+}
+
+#[tokio::test]
+async fn mandatory_tls_refuses_an_endpoint_without_identity() {
+    let mesh = tls_mesh(&id("web"), &[], "3600").await;
+    let strict = strict_client(&mesh.scratch, &mesh.ca, mesh.control.addr("grpc")).await;
+    wait_ready(strict.addr("admin")).await;
+    // The endpoint is meshed but discovery gives it no identity.
+    mesh.scratch
+        .endpoint("web-0", "web", mesh.server.addr("inbound"), true);
+    let web = authority("web", 8080);
+    let a = get(strict.addr("outbound"), &web).await;
+    assert_eq!(a.status, 502, "{:?} {}", a.proxy_error(), a.body);
+    let error = a.proxy_error().unwrap_or("");
+    assert!(
+        error.contains("endpoint has no TLS identity; mandatory TLS refuses plaintext"),
+        "{error}"
+    );
+    // The opportunistic client reaches the same endpoint in plaintext.
+    assert_eq!(get(mesh.client.addr("outbound"), &web).await.status, 200);
+}
+
+#[tokio::test]
+async fn mandatory_tls_refuses_to_send_before_the_first_certificate() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let ca = scratch.identity_init("ca");
+    // A control plane that serves discovery but issues no certificates.
+    let control = scratch.control().await;
+    let app = scratch.demo_app("web-0", 0).await;
+    let server = scratch
+        .proxy("server", control.addr("grpc"), Some(app.addr("http")), &[])
+        .await;
+    endpoint_with_identity(&scratch, server.addr("inbound"), &id("web"));
+    let strict = strict_client(&scratch, &ca, control.addr("grpc")).await;
+    let web = authority("web", 8080);
+    let a = get(strict.addr("outbound"), &web).await;
+    assert_eq!(a.status, 502, "{:?} {}", a.proxy_error(), a.body);
+    let error = a.proxy_error().unwrap_or("");
+    assert!(
+        error.contains("this proxy holds no certificate yet; mandatory TLS refuses plaintext"),
+        "{error}"
+    );
+    let (status, body) = ready_body(strict.addr("admin")).await;
+    assert_eq!(status, 503);
+    assert!(body.contains("certificate"), "{body}");
 }
