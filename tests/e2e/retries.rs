@@ -44,22 +44,45 @@ async fn half_dead(
 }
 
 async fn post(connect: std::net::SocketAddr, authority: &str) -> u16 {
+    post_with(connect, authority, b"payload".to_vec(), &[])
+        .await
+        .status
+        .as_u16()
+}
+
+/// A POST with `body` (its length known) and extra headers.
+async fn post_with(
+    connect: std::net::SocketAddr,
+    authority: &str,
+    body: Vec<u8>,
+    headers: &[(&str, &str)],
+) -> Answer {
     use http_body_util::BodyExt;
     let stream = tokio::net::TcpStream::connect(connect).await.unwrap();
     let (mut s, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
         .await
         .unwrap();
     tokio::spawn(conn);
-    let req = http::Request::post("/")
-        .header(http::header::HOST, authority)
-        .body(http_body_util::Full::new(bytes::Bytes::from_static(
-            b"payload",
-        )))
+    let mut req = http::Request::post("/").header(http::header::HOST, authority);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
         .unwrap();
     let rsp = s.send_request(req).await.unwrap();
-    let status = rsp.status().as_u16();
-    let _ = rsp.into_body().collect().await;
-    status
+    let (status, version, headers) = (rsp.status(), rsp.version(), rsp.headers().clone());
+    let body = rsp.into_body().collect().await.unwrap().to_bytes();
+    Answer {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+        version,
+    }
+}
+
+fn retried(m: &str) -> f64 {
+    metric_value(m, "tether_proxy_retries_total", &[("outcome", "retried")])
 }
 
 #[tokio::test]
@@ -141,4 +164,107 @@ async fn the_registry_overrides_the_budget_per_service() {
         .await,
         "the per-service budget was not applied"
     );
+}
+
+/// `tether-retryable: true` makes a POST retryable when its body is at most
+/// 64 KiB (the proxy keeps it to send again); a larger one is not retried.
+#[tokio::test]
+async fn marked_requests_are_retried_with_their_body_up_to_64_kib() {
+    let (_scratch, _procs, client) = half_dead(&[], "").await;
+    let (outbound, web, admin) = (
+        client.addr("outbound"),
+        authority("web", 8080),
+        client.addr("admin"),
+    );
+    let marked = [("tether-retryable", "true")];
+    const MAX: usize = 64 * 1024;
+    for i in 0..40 {
+        let a = post_with(outbound, &web, vec![b'x'; MAX], &marked).await;
+        assert_eq!(a.status, 200, "POST {i} failed: {:?}", a.proxy_error());
+        let body: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+        assert_eq!(
+            body["received_bytes"], MAX,
+            "POST {i}: the body was not replayed whole"
+        );
+    }
+    let before = retried(&metrics(admin).await);
+    assert!(
+        before >= 1.0,
+        "no request needed a retry: the test proves nothing"
+    );
+
+    // One byte more: not kept, so not retried; failures reach the client.
+    let mut failed = 0;
+    for _ in 0..200 {
+        if post_with(outbound, &web, vec![b'x'; MAX + 1], &marked)
+            .await
+            .status
+            != 200
+        {
+            failed += 1;
+            if failed == 3 {
+                break;
+            }
+        }
+    }
+    assert_eq!(failed, 3, "a POST over 64 KiB was retried");
+    assert_eq!(retried(&metrics(admin).await), before);
+}
+
+/// A 5xx the app itself answered reached the app: never retried, even for
+/// an idempotent request.
+#[tokio::test]
+async fn an_apps_own_5xx_is_never_retried() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    let good = scratch.demo_app("web-0", 0).await;
+    let failing = scratch
+        .spawn(
+            "web-1",
+            &[
+                "demo-app",
+                "--listen",
+                "127.0.0.1:0",
+                "--replica",
+                "web-1",
+                "--error-rate",
+                "1",
+            ],
+            &["http"],
+        )
+        .await;
+    let mut sidecars = Vec::new();
+    for (name, app) in [("web-0", &good), ("web-1", &failing)] {
+        let sidecar = scratch
+            .proxy(
+                &format!("{name}-proxy"),
+                control.addr("grpc"),
+                Some(app.addr("http")),
+                &[],
+            )
+            .await;
+        scratch.endpoint(name, "web", sidecar.addr("inbound"), true);
+        sidecars.push(sidecar);
+    }
+    let client = scratch
+        .proxy("client", control.addr("grpc"), None, &[])
+        .await;
+    let (outbound, web) = (client.addr("outbound"), authority("web", 8080));
+    let mut app_errors = 0;
+    for _ in 0..200 {
+        let a = get(outbound, &web).await;
+        if a.status == 500 {
+            assert_eq!(a.replica(), "web-1");
+            assert_eq!(a.proxy_error(), None, "the app's answer, not the proxy's");
+            app_errors += 1;
+            if app_errors == 3 {
+                break;
+            }
+        } else {
+            assert_eq!(a.status, 200, "{:?}", a.proxy_error());
+        }
+    }
+    assert_eq!(app_errors, 3, "the app's 500s were retried away");
+    assert_eq!(retried(&metrics(client.addr("admin")).await), 0.0);
 }
