@@ -268,3 +268,254 @@ async fn connect_is_refused_on_both_sides() {
         );
     }
 }
+
+/// A proxy started by `sh` under `ulimit -n FDS` (soft and hard).
+async fn proxy_with_fd_limit(
+    scratch: &Scratch,
+    name: &str,
+    fds: u32,
+    args: &[&str],
+    expect: &[&str],
+) -> Process {
+    let mut all = vec![
+        "-c".to_string(),
+        format!("ulimit -n {fds} && exec \"$0\" \"$@\""),
+        tether().display().to_string(),
+    ];
+    all.extend(args.iter().map(|s| s.to_string()));
+    Process::spawn(
+        std::path::Path::new("/bin/sh"),
+        name,
+        &all,
+        &scratch.log(name),
+        expect,
+    )
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_flood_of_idle_connections_under_a_small_fd_limit_does_not_stop_the_proxy() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    let app = scratch.demo_app("web-0", 0).await;
+    let sidecar = scratch
+        .proxy(
+            "web-proxy",
+            control.addr("grpc"),
+            Some(app.addr("http")),
+            &[],
+        )
+        .await;
+    scratch.endpoint("web-0", "web", sidecar.addr("inbound"), true);
+    let grpc = control.addr("grpc").to_string();
+    let client = proxy_with_fd_limit(
+        &scratch,
+        "client",
+        256,
+        &[
+            "proxy",
+            "--control",
+            &grpc,
+            "--outbound",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--idle-timeout",
+            "5",
+        ],
+        &["outbound", "admin"],
+    )
+    .await;
+    let (outbound, admin) = (client.addr("outbound"), client.addr("admin"));
+    let web = authority("web", 8080);
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            get(outbound, &web).await.status == 200
+        })
+        .await
+    );
+
+    // More idle connections than the process has fds.
+    let mut idle = Vec::new();
+    for _ in 0..300 {
+        if let Ok(c) = tokio::net::TcpStream::connect(outbound).await {
+            idle.push(c);
+        }
+    }
+    // The admin listener keeps its fds: readiness answers while the flood
+    // is held (before the idle timeout could have freed any fd).
+    let (status, body) = tokio::time::timeout(Duration::from_secs(4), ready_body(admin))
+        .await
+        .expect("/ready answers while the data path is saturated");
+    assert_eq!(status, 200, "{body}");
+    // The proxy recovers by itself (idle connections closed after
+    // --idle-timeout), with the flood still held open by the client.
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            matches!(request(outbound, &web, "/", http::Version::HTTP_11).await, Ok(a) if a.status == 200)
+        })
+        .await,
+        "the proxy never recovered"
+    );
+    let m = metrics(admin).await;
+    assert!(
+        metric_value(
+            &m,
+            "tether_proxy_connections_closed_total",
+            &[("direction", "outbound"), ("reason", "connection_limit")]
+        ) >= 1.0,
+        "{m}"
+    );
+    assert!(
+        metric_value(
+            &m,
+            "tether_proxy_connections_closed_total",
+            &[("direction", "outbound"), ("reason", "idle")]
+        ) >= 1.0,
+        "{m}"
+    );
+    drop(idle);
+    // Refusals were logged at a bounded rate, not once per connection.
+    let log = scratch.read_log("client");
+    let lines = log
+        .lines()
+        .filter(|l| l.contains("connection refused"))
+        .count();
+    assert!(lines <= 5, "{lines} refusal lines:\n{log}");
+}
+
+/// A TCP "app" that reads requests and never answers.
+async fn silent_app() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn an_app_that_never_answers_gets_a_504_and_a_slow_stream_is_not_cut() {
+    let scratch = Scratch::new();
+    scratch.service("silent", 8080, false);
+    scratch.service("stream", 8080, false);
+    let control = scratch.control().await;
+    scratch.endpoint("silent-0", "silent", silent_app().await, false);
+    // Headers at once, the body after twice the response timeout.
+    let streamer = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let streamer_addr = streamer.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = streamer.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                    .await;
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                let _ = s.write_all(b"5\r\nhello\r\n0\r\n\r\n").await;
+            });
+        }
+    });
+    scratch.endpoint("stream-0", "stream", streamer_addr, false);
+    let client = scratch
+        .proxy(
+            "client",
+            control.addr("grpc"),
+            None,
+            &["--response-timeout", "1"],
+        )
+        .await;
+    let outbound = client.addr("outbound");
+    let a = get(outbound, &authority("silent", 8080)).await;
+    assert_eq!(a.status, 504, "{}", a.body);
+    assert_eq!(a.proxy_error(), Some("response timeout after 1s"));
+    let a = get(outbound, &authority("stream", 8080)).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(a.body, "hello");
+}
+
+#[tokio::test]
+async fn a_grpc_call_to_an_app_that_never_answers_gets_deadline_exceeded() {
+    let scratch = Scratch::new();
+    scratch.service("silent", 8080, false);
+    let control = scratch.control().await;
+    scratch.endpoint("silent-0", "silent", silent_app().await, false);
+    let client = scratch
+        .proxy(
+            "client",
+            control.addr("grpc"),
+            None,
+            &["--response-timeout", "1"],
+        )
+        .await;
+    let stream = tokio::net::TcpStream::connect(client.addr("outbound"))
+        .await
+        .unwrap();
+    let (mut s, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post(format!(
+        "http://{}/demo.Demo/Echo",
+        authority("silent", 8080)
+    ))
+    .header("content-type", "application/grpc")
+    .body(http_body_util::Full::new(bytes::Bytes::from_static(
+        b"\0\0\0\0\0",
+    )))
+    .unwrap();
+    let rsp = s.send_request(req).await.unwrap();
+    assert_eq!(rsp.status(), 200);
+    assert_eq!(rsp.headers()["grpc-status"], "4", "{:?}", rsp.headers());
+}
+
+#[tokio::test]
+async fn a_slowloris_client_is_closed_after_the_header_read_timeout() {
+    let scratch = Scratch::new();
+    let control = scratch.control().await;
+    let client = scratch
+        .proxy(
+            "client",
+            control.addr("grpc"),
+            None,
+            &["--header-read-timeout", "1"],
+        )
+        .await;
+    let mut conn = tokio::net::TcpStream::connect(client.addr("outbound"))
+        .await
+        .unwrap();
+    conn.write_all(b"GET / HTTP/1.1\r\nhost: web\r\nx-slow: ")
+        .await
+        .unwrap();
+    // One byte every 200 ms for up to 20 header-read timeouts: the proxy
+    // must close the connection long before the header ends.
+    let closed = async {
+        for _ in 0..100 {
+            if conn.write_all(b"a").await.is_err() {
+                return true;
+            }
+            let mut buf = [0u8; 1024];
+            match tokio::time::timeout(Duration::from_millis(200), conn.read(&mut buf)).await {
+                Ok(Ok(_)) | Ok(Err(_)) => return true,
+                Err(_) => {}
+            }
+        }
+        false
+    };
+    assert!(closed.await, "a slow header kept the connection open");
+}

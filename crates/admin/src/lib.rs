@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
@@ -19,7 +20,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 /// Prints the line by which scripts and `tether up` learn a listener's
@@ -135,6 +136,71 @@ impl Shutdown {
     }
 }
 
+// === accepting connections ===
+
+/// Accept errors are logged at most this often: out of fds, a listener
+/// would otherwise log every few milliseconds.
+static ACCEPT_LOG: tether_core::log_limit::LogLimit =
+    tether_core::log_limit::LogLimit::new(Duration::from_secs(5));
+
+/// The next connection on `listener`. On errors (typically out of file
+/// descriptors) it backs off exponentially, 5 ms to 1 s, and logs at a
+/// bounded rate; it never returns an error and never spins.
+pub async fn accept(listener: &TcpListener, name: &'static str) -> (TcpStream, SocketAddr) {
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        match listener.accept().await {
+            Ok(accepted) => return accepted,
+            Err(e) => {
+                if let Some(suppressed) = ACCEPT_LOG.allow() {
+                    tracing::warn!(listener = name, error = %e, suppressed, "accept failed; backing off");
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// The connections of `listener` as a stream (for servers such as tonic
+/// that take one), with [`accept`]'s backoff on errors: tonic would retry a
+/// failing accept in a hot loop.
+pub fn incoming(
+    listener: TcpListener,
+    name: &'static str,
+) -> impl futures::Stream<Item = std::io::Result<TcpStream>> + Send + 'static {
+    futures::stream::unfold(listener, move |listener| async move {
+        let (stream, _) = accept(&listener, name).await;
+        Some((Ok(stream), listener))
+    })
+}
+
+/// Raises the soft limit on open files to the hard limit and returns it:
+/// the process then sheds load at its own connection cap rather than at
+/// EMFILE.
+pub fn raise_fd_limit() -> usize {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return 1024;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit.rlim_cur = limit.rlim_max;
+            }
+        }
+    }
+    usize::try_from(limit.rlim_cur).unwrap_or(usize::MAX)
+}
+
 // === admin listener ===
 
 /// An extra admin route: given the path and query, answers or declines.
@@ -148,28 +214,39 @@ pub struct Admin {
     pub extra: Option<Extra>,
 }
 
+/// Admin connections open at once; more are closed at accept.
+pub const ADMIN_MAX_CONNECTIONS: usize = 32;
+const ADMIN_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+const ADMIN_CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+
 /// Serves the admin endpoints on `listener` until `shutdown` fires.
 pub async fn serve(listener: TcpListener, admin: Admin, shutdown: Shutdown) {
+    // Probes and scrapes need few connections; a flood of them must not
+    // take the fds the data path and the probes themselves need.
+    let connections = Arc::new(tokio::sync::Semaphore::new(ADMIN_MAX_CONNECTIONS));
     loop {
         let (stream, _) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    tracing::warn!(error = %e, "admin accept failed");
-                    continue;
-                }
-            },
+            accepted = accept(&listener, "admin") => accepted,
             _ = shutdown.triggered() => return,
+        };
+        let Ok(permit) = connections.clone().try_acquire_owned() else {
+            continue;
         };
         let admin = admin.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let svc = hyper::service::service_fn(move |req| {
                 let rsp = respond(&admin, &req);
                 async move { Ok::<_, Infallible>(rsp) }
             });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), svc)
-                .await;
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(ADMIN_HEADER_TIMEOUT);
+            let conn = builder.serve_connection(TokioIo::new(stream), svc);
+            // An admin connection is short: scrapes and probes, not tunnels.
+            let _ = tokio::time::timeout(ADMIN_CONNECTION_LIFETIME, conn).await;
         });
     }
 }

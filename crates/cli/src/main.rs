@@ -30,6 +30,48 @@ fn parse_secs(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(v))
 }
 
+/// Bounds of the data-path listeners, shared by `proxy` and `gateway`.
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Client connections open at once, all listeners together (default:
+    /// half the fd limit left after a reserve for admin and control plane).
+    #[arg(long)]
+    max_connections: Option<usize>,
+    /// Seconds a client may take to send a request's HTTP/1 headers.
+    #[arg(long, default_value = "10", value_parser = parse_positive_secs)]
+    header_read_timeout: Duration,
+    /// Seconds a client connection may stay open with no request in flight.
+    #[arg(long, default_value = "60", value_parser = parse_positive_secs)]
+    idle_timeout: Duration,
+    /// Seconds an outbound request may wait for response headers, all
+    /// attempts together (504 after it); 0 waits as long as the app takes.
+    /// A service's `response_timeout` in the registry overrides it.
+    #[arg(long, default_value = "60", value_parser = parse_secs)]
+    response_timeout: Duration,
+}
+
+impl ServeArgs {
+    fn serve_config(&self) -> tether_proxy::serve::ServeConfig {
+        tether_proxy::serve::ServeConfig {
+            max_connections: self.max_connections,
+            header_read_timeout: self.header_read_timeout,
+            idle_timeout: self.idle_timeout,
+        }
+    }
+
+    fn response_timeout(&self) -> Option<Duration> {
+        (!self.response_timeout.is_zero()).then_some(self.response_timeout)
+    }
+}
+
+fn parse_positive_secs(s: &str) -> Result<Duration, String> {
+    let d = parse_secs(s)?;
+    if d.is_zero() {
+        return Err("must be more than 0 seconds".into());
+    }
+    Ok(d)
+}
+
 fn parse_link(s: &str) -> Result<tether_control::multicluster::links::Link, String> {
     tether_control::multicluster::links::parse_flag(s).map_err(|e| e.message)
 }
@@ -166,6 +208,8 @@ enum Command {
         /// Retries always allowed per second, whatever the traffic.
         #[arg(long, default_value = "10")]
         retry_budget_min_per_second: f64,
+        #[command(flatten)]
+        serve: ServeArgs,
     },
     /// Run the multicluster gateway: mTLS from other clusters to local global services.
     Gateway {
@@ -193,6 +237,8 @@ enum Command {
         connect_timeout: Duration,
         #[arg(long, default_value = "10", value_parser = parse_secs)]
         drain_timeout: Duration,
+        #[command(flatten)]
+        serve: ServeArgs,
     },
     /// Run a whole mesh on this machine from a manifest (the built-in demo without one).
     Up {
@@ -506,6 +552,7 @@ async fn main() -> anyhow::Result<()> {
             require_discovery,
             retry_budget_ratio,
             retry_budget_min_per_second,
+            serve,
         } => {
             anyhow::ensure!(
                 retry_budget_ratio >= 0.0 && retry_budget_min_per_second >= 0.0,
@@ -538,6 +585,8 @@ async fn main() -> anyhow::Result<()> {
                     min_per_second: retry_budget_min_per_second,
                     ttl: Duration::from_secs(10),
                 },
+                serve: serve.serve_config(),
+                response_timeout: serve.response_timeout(),
             };
             tether_proxy::run(config, shutdown).await?;
         }
@@ -552,6 +601,7 @@ async fn main() -> anyhow::Result<()> {
             failfast_timeout,
             connect_timeout,
             drain_timeout,
+            serve,
         } => {
             let config = tether_proxy::gateway::GatewayConfig {
                 control,
@@ -562,6 +612,8 @@ async fn main() -> anyhow::Result<()> {
                 failfast_timeout,
                 connect_timeout,
                 drain_timeout,
+                serve: serve.serve_config(),
+                response_timeout: serve.response_timeout(),
             };
             tether_proxy::gateway::run(config, shutdown).await?;
         }

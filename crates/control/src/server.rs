@@ -296,10 +296,9 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         .add_service(InboundServerPoliciesServer::new(policy))
         .add_optional_service(identity)
         .add_service(diagnostics)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc),
-            async move { signal.triggered().await },
-        );
+        .serve_with_incoming_shutdown(tether_admin::incoming(grpc, "grpc"), async move {
+            signal.triggered().await
+        });
     tokio::select! {
         res = server => res?,
         res = registry_task => registry_ended(res)?,

@@ -29,6 +29,8 @@ pub enum ProxyError {
     App { addr: SocketAddr, reason: String },
     #[error("CONNECT is not proxied")]
     ConnectUnsupported,
+    #[error("response timeout after {0:?}")]
+    ResponseTimeout(std::time::Duration),
 }
 
 impl ProxyError {
@@ -45,6 +47,7 @@ impl ProxyError {
                 StatusCode::BAD_GATEWAY
             }
             ProxyError::ConnectUnsupported => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::ResponseTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 
@@ -55,6 +58,7 @@ impl ProxyError {
             | ProxyError::InvalidAuthority { .. }
             | ProxyError::RequestBody(_) => 3, // INVALID_ARGUMENT
             ProxyError::ConnectUnsupported => 12, // UNIMPLEMENTED
+            ProxyError::ResponseTimeout(_) => 4,  // DEADLINE_EXCEEDED
             _ => 14,                              // UNAVAILABLE
         }
     }

@@ -17,7 +17,7 @@ use tether_admin::{bind, Admin, Readiness, Shutdown};
 use crate::detect::first_bytes;
 use crate::identity::IdentityConfig;
 use crate::outbound::Outbound;
-use crate::serve::{accept_loop, serve_http};
+use crate::serve::{accept_loop, serve_http, ServeLimits};
 use crate::{ProxyConfig, ProxyStartError};
 
 #[derive(Clone, Debug)]
@@ -31,6 +31,8 @@ pub struct GatewayConfig {
     pub failfast_timeout: Duration,
     pub connect_timeout: Duration,
     pub drain_timeout: Duration,
+    pub serve: crate::serve::ServeConfig,
+    pub response_timeout: Option<Duration>,
 }
 
 fn forbidden(msg: String) -> Response<crate::http::Body> {
@@ -60,6 +62,8 @@ pub async fn run(config: GatewayConfig, shutdown: Shutdown) -> Result<(), ProxyS
         max_pending: 1000,
         require_discovery: vec![],
         retry_budget: crate::retry::BudgetSpec::default(),
+        serve: config.serve.clone(),
+        response_timeout: config.response_timeout,
     };
     let controls = crate::discovery::ControlPlanes::new(&config.control)?;
     let mut registry = prometheus_client::registry::Registry::default();
@@ -107,7 +111,8 @@ pub async fn run(config: GatewayConfig, shutdown: Shutdown) -> Result<(), ProxyS
     ));
     tokio::spawn(outbound.clone().maintain(shutdown.clone()));
     let suffix: Arc<str> = format!(".identity.{}", config.trust_domain).into();
-    accept_loop("gateway", listener, shutdown, config.drain_timeout, move |mut stream, peer, watcher| {
+    let limits = ServeLimits::new(&config.serve, config.drain_timeout, metrics.clone());
+    accept_loop("gateway", listener, shutdown, limits, move |mut stream, peer, conn| {
         let (outbound, metrics, server_tls, suffix) =
             (outbound.clone(), metrics.clone(), server_tls.clone(), suffix.clone());
         async move {
@@ -142,7 +147,7 @@ pub async fn run(config: GatewayConfig, shutdown: Shutdown) -> Result<(), ProxyS
                     outbound.handle(req, None).await
                 }
             };
-            serve_http(io, svc, watcher).await;
+            serve_http(io, svc, conn).await;
         }
     })
     .await;

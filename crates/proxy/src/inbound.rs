@@ -21,7 +21,6 @@ use bytes::Bytes;
 use http::{HeaderValue, Request, Response, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper_util::server::graceful::Watcher;
 use rustls::ServerConfig;
 use tether_admin::Shutdown;
 use tether_core::log_limit::LogLimit;
@@ -36,7 +35,7 @@ use crate::http::{
     strip_mesh_asserted, Body, CLIENT_ID, ORIG_PROTO, PROXY_ERROR,
 };
 use crate::metrics::{Hop, ProxyMetrics};
-use crate::serve::{accept_loop, serve_http};
+use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
 use crate::tls::{BoxedIo, Connector, TlsMode};
 use crate::ProxyConfig;
 
@@ -111,18 +110,18 @@ impl Inbound {
         self: Arc<Self>,
         listener: TcpListener,
         shutdown: Shutdown,
-        drain: Duration,
+        limits: ServeLimits,
     ) {
         accept_loop(
             "inbound",
             listener,
             shutdown,
-            drain,
-            move |stream, peer, watcher| {
+            limits,
+            move |stream, peer, conn| {
                 let this = self.clone();
                 async move {
                     let _open = this.metrics.connection("inbound");
-                    this.serve_connection(stream, peer, watcher).await;
+                    this.serve_connection(stream, peer, conn).await;
                 }
             },
         )
@@ -133,7 +132,7 @@ impl Inbound {
         self: Arc<Self>,
         mut stream: TcpStream,
         peer: SocketAddr,
-        watcher: Watcher,
+        conn: Conn,
     ) {
         // A TLS ClientHello starts with the handshake record type; one read
         // tells TLS from plaintext.
@@ -205,7 +204,7 @@ impl Inbound {
                     let (this, hop) = (self.clone(), hop.clone());
                     async move { this.handle(req, &hop).await }
                 };
-                return serve_http(PrefixedIo::new(prefix, io), svc, watcher).await;
+                return serve_http(PrefixedIo::new(prefix, io), svc, conn).await;
             }
             Protocol::OpaqueTransport => Refusal::OpaqueUndeclared,
             Protocol::Unrecognized(why) => Refusal::NotHttp(why),

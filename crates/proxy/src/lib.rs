@@ -25,7 +25,8 @@
 //!   protocol upgrade between proxies, error responses).
 //! - [`retry`]: retries of idempotent requests on another endpoint, within
 //!   a budget.
-//! - [`serve`]: accept loops with graceful shutdown.
+//! - [`serve`]: accept loops and HTTP connections with their bounds:
+//!   connection cap, idle and header-read timeouts, graceful shutdown.
 //! - [`identity`]: the proxy's certificate: key and CSR made in memory,
 //!   certified by the control plane, renewed before expiry.
 //! - [`tls`]: when a connection between proxies is mTLS, plaintext, or
@@ -89,6 +90,11 @@ pub struct ProxyConfig {
     pub require_discovery: Vec<String>,
     /// The default retry budget (a service's profile may override it).
     pub retry_budget: retry::BudgetSpec,
+    /// Connection cap, header-read and idle timeouts of the listeners.
+    pub serve: serve::ServeConfig,
+    /// How long an outbound request may wait for response headers (all
+    /// attempts together); `None` waits as long as the app takes.
+    pub response_timeout: Option<Duration>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -182,18 +188,19 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
         },
         shutdown.clone(),
     ));
+    let limits = serve::ServeLimits::new(&config.serve, config.drain_timeout, metrics.clone());
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(outbound.clone().serve(
         outbound_listener,
         shutdown.clone(),
-        config.drain_timeout,
+        limits.clone(),
     )));
     for (listener, authority) in upstream_listeners {
         tasks.push(tokio::spawn(outbound.clone().serve_upstream(
             listener,
             authority,
             shutdown.clone(),
-            config.drain_timeout,
+            limits.clone(),
         )));
     }
     if let (Some(listener), Some(app)) = (inbound_listener, config.app) {
@@ -206,7 +213,7 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
         tasks.push(tokio::spawn(inbound.serve(
             listener,
             shutdown.clone(),
-            config.drain_timeout,
+            limits.clone(),
         )));
     }
     tokio::spawn(outbound.clone().maintain(shutdown.clone()));

@@ -54,6 +54,13 @@ pub struct DirectionLabels {
     pub direction: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClosedLabels {
+    pub direction: String,
+    /// `connection_limit` (closed at accept) or `idle`.
+    pub reason: String,
+}
+
 #[derive(Clone)]
 pub struct LatencyBuckets;
 
@@ -72,6 +79,7 @@ pub struct ProxyMetrics {
     pub tcp_bytes: Family<DirectionLabels, Counter>,
     pub inbound_refused: Family<ReasonLabels, Counter>,
     pub outbound_refused: Family<ReasonLabels, Counter>,
+    pub connections_closed: Family<ClosedLabels, Counter>,
     pub failfast: Family<AuthorityLabels, Gauge>,
     pub failfast_transitions: Family<TransitionLabels, Counter>,
     pub discovery_age: Family<AuthorityLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
@@ -95,6 +103,7 @@ impl Default for ProxyMetrics {
             tcp_bytes: Family::default(),
             inbound_refused: Family::default(),
             outbound_refused: Family::default(),
+            connections_closed: Family::default(),
             failfast: Family::default(),
             failfast_transitions: Family::default(),
             discovery_age: Family::default(),
@@ -135,6 +144,11 @@ impl ProxyMetrics {
             "tether_proxy_outbound_refused",
             "Outbound connections refused, by reason (plaintext to a destination outside the mesh under mandatory TLS)",
             self.outbound_refused.clone(),
+        );
+        registry.register(
+            "tether_proxy_connections_closed",
+            "Client connections the proxy closed itself, by reason (connection_limit: at accept, past --max-connections; idle: no request for --idle-timeout)",
+            self.connections_closed.clone(),
         );
         registry.register(
             "tether_proxy_failfast",
@@ -184,6 +198,15 @@ impl ProxyMetrics {
     pub fn refuse_outbound(&self, reason: &str) {
         self.outbound_refused
             .get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    pub fn close_connection(&self, direction: &str, reason: &str) {
+        self.connections_closed
+            .get_or_create(&ClosedLabels {
+                direction: direction.into(),
                 reason: reason.into(),
             })
             .inc();

@@ -104,10 +104,7 @@ pub fn incoming(
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     tokio::spawn(async move {
         loop {
-            let Ok((tcp, peer)) = listener.accept().await else {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            };
+            let (tcp, peer) = tether_admin::accept(&listener, "export").await;
             let (acceptor, tx) = (acceptor.clone(), tx.clone());
             tokio::spawn(async move {
                 match tokio::time::timeout(Duration::from_secs(5), acceptor.accept(tcp)).await {

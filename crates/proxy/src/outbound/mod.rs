@@ -37,7 +37,7 @@ use crate::http::{
     strip_mesh_asserted, Body, ORIG_PROTO, PROXY_ERROR,
 };
 use crate::metrics::{AuthorityLabels, Hop, ProxyMetrics};
-use crate::serve::{accept_loop, serve_http};
+use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
 use crate::tls::Connector;
 use crate::ProxyConfig;
 
@@ -62,6 +62,7 @@ pub struct Outbound {
     unavailable: Unavailable,
     forwarder: Forwarder,
     retry_budget: crate::retry::BudgetSpec,
+    response_timeout: Option<Duration>,
 }
 
 /// A copy of a request's head (extensions are not carried across hops).
@@ -103,6 +104,7 @@ impl Outbound {
             unavailable: config.control_plane_unavailable,
             forwarder: Forwarder::new(config.connect_timeout),
             retry_budget: config.retry_budget,
+            response_timeout: config.response_timeout,
         }
     }
 
@@ -110,25 +112,25 @@ impl Outbound {
         self: Arc<Self>,
         listener: TcpListener,
         shutdown: Shutdown,
-        drain: Duration,
+        limits: ServeLimits,
     ) {
         accept_loop(
             "outbound",
             listener,
             shutdown,
-            drain,
-            move |stream, _, watcher| {
+            limits,
+            move |stream, _, conn| {
                 let this = self.clone();
                 async move {
                     let _open = this.metrics.connection("outbound");
                     if let Some(dst) = crate::intercept::original_dst(&stream) {
-                        return this.serve_intercepted(stream, dst, watcher).await;
+                        return this.serve_intercepted(stream, dst, conn).await;
                     }
                     let svc = move |req| {
                         let this = this.clone();
                         async move { this.handle(req, None).await }
                     };
-                    serve_http(stream, svc, watcher).await;
+                    serve_http(stream, svc, conn).await;
                 }
             },
         )
@@ -142,7 +144,7 @@ impl Outbound {
         self: Arc<Self>,
         mut stream: TcpStream,
         dst: std::net::SocketAddr,
-        watcher: hyper_util::server::graceful::Watcher,
+        conn: Conn,
     ) {
         let authority: Arc<str> = dst.to_string().into();
         let svc = self.service(&authority);
@@ -189,7 +191,7 @@ impl Outbound {
                     let (this, authority) = (self.clone(), authority.clone());
                     async move { this.handle(req, Some(&authority)).await }
                 };
-                return serve_http(io, svc, watcher).await;
+                return serve_http(io, svc, conn).await;
             }
             Protocol::OpaqueTransport => Unrecognized::BadRequestLine,
             Protocol::Unrecognized(why) => why,
@@ -213,7 +215,7 @@ impl Outbound {
         listener: TcpListener,
         authority: String,
         shutdown: Shutdown,
-        drain: Duration,
+        limits: ServeLimits,
     ) {
         let authority: Arc<str> = match normalize(&authority) {
             Ok(a) => a.into(),
@@ -226,8 +228,8 @@ impl Outbound {
             "upstream",
             listener,
             shutdown,
-            drain,
-            move |stream, _, watcher| {
+            limits,
+            move |stream, _, conn| {
                 let this = self.clone();
                 let authority = authority.clone();
                 async move {
@@ -249,7 +251,7 @@ impl Outbound {
                             let authority = authority.clone();
                             async move { this.handle(req, Some(&authority)).await }
                         };
-                        serve_http(stream, svc, watcher).await;
+                        serve_http(stream, svc, conn).await;
                     }
                 }
             },
@@ -355,7 +357,15 @@ impl Outbound {
         };
         let (label, result) = match authority {
             Ok(authority) => {
-                let result = self.route(&authority, req, absolute).await;
+                let routed = self.route(&authority, req, absolute);
+                // Until response headers; a body that streams afterwards
+                // is never cut.
+                let result = match self.response_timeout {
+                    Some(limit) => tokio::time::timeout(limit, routed)
+                        .await
+                        .unwrap_or(Err(ProxyError::ResponseTimeout(limit))),
+                    None => routed.await,
+                };
                 (authority, result)
             }
             Err(e) => ("".to_string(), Err(e)),
