@@ -57,8 +57,11 @@ struct State {
 struct ApiServer {
     state: Arc<Mutex<State>>,
     changed: Arc<Notify>,
-    /// Delays the first Pod list, to see that readiness waits for it.
-    slow_pods: Arc<AtomicBool>,
+    /// Holds the first Pod list until `release_pods`, to see that loading
+    /// waits for it; `pods_held` says the list is being held.
+    hold_pods: Arc<AtomicBool>,
+    pods_held: Arc<AtomicBool>,
+    release_pods: Arc<Notify>,
 }
 
 fn list_kind(path: &str) -> (&'static str, &'static str, &'static str) {
@@ -169,8 +172,9 @@ impl ApiServer {
             .collect();
         let (api_version, list, kind) = list_kind(path);
         if query.get("watch").map(String::as_str) != Some("true") {
-            if path == PODS && self.slow_pods.swap(false, Ordering::SeqCst) {
-                tokio::time::sleep(Duration::from_millis(700)).await;
+            if path == PODS && self.hold_pods.swap(false, Ordering::SeqCst) {
+                self.pods_held.store(true, Ordering::SeqCst);
+                self.release_pods.notified().await;
             }
             let mut s = self.state.lock().unwrap();
             s.lists += 1;
@@ -368,7 +372,7 @@ async fn watches_services_slices_and_pods_through_gone_and_dropped_watches() {
     api.upsert(PODS, pod("web-0"));
     api.upsert(PODS, pod("web-1"));
     api.upsert(SLICES, slice(&[("10.1.0.5", "web-0", true)]));
-    api.slow_pods.store(true, Ordering::SeqCst);
+    api.hold_pods.store(true, Ordering::SeqCst);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(api.clone().serve(listener));
@@ -385,12 +389,18 @@ async fn watches_services_slices_and_pods_through_gone_and_dropped_watches() {
         Box::new(move || flag.store(true, Ordering::SeqCst)),
     ));
 
-    // Not loaded while one kind (Pods) has not been listed yet.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Not loaded while one kind (Pods) has not been listed yet, though the
+    // other two have.
+    assert!(
+        eventually(|| api.pods_held.load(Ordering::SeqCst) && api.state.lock().unwrap().lists >= 2)
+            .await,
+        "the lists never came"
+    );
     assert!(
         !loaded.load(Ordering::SeqCst),
         "loaded before the first full sync"
     );
+    api.release_pods.notify_one();
     assert!(
         eventually(|| loaded.load(Ordering::SeqCst)).await,
         "never loaded"
