@@ -635,11 +635,7 @@ async fn main() -> anyhow::Result<()> {
                 return Ok(());
             }
             let manifest = match &file {
-                Some(path) => {
-                    let text = std::fs::read_to_string(path)
-                        .with_context(|| format!("reading manifest {}", path.display()))?;
-                    tether_mesh_up::manifest::Manifest::parse(&text, &path.display().to_string())?
-                }
+                Some(path) => tether_mesh_up::manifest::Manifest::load(path)?,
                 None if multicluster => tether_mesh_up::manifest::Manifest::multicluster_demo(),
                 None => tether_mesh_up::manifest::Manifest::demo(),
             };

@@ -20,6 +20,7 @@ use rcgen::{
     DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType,
     PKCS_ECDSA_P256_SHA256,
 };
+use tether_core::truncate::{bounded_message, for_log};
 use time::OffsetDateTime;
 
 use crate::token::{LocalTokens, TOKEN_KEY};
@@ -62,7 +63,12 @@ pub enum LoadError {
 pub enum SignError {
     #[error("malformed CSR: {0}")]
     MalformedCsr(String),
-    #[error("CSR asks for {requested:?}, but the token allows only {allowed:?}")]
+    // The names come from the client: shown cut short.
+    #[error(
+        "CSR asks for {}, but the token allows only {}",
+        bounded_message(format_args!("{requested:?}")),
+        for_log(allowed)
+    )]
     WrongName {
         requested: Vec<String>,
         allowed: String,
@@ -260,7 +266,7 @@ impl Issuer {
         }
         let der = rustls::pki_types::CertificateSigningRequestDer::from(csr_der);
         let mut csr = CertificateSigningRequestParams::from_der(&der)
-            .map_err(|e| SignError::MalformedCsr(e.to_string()))?;
+            .map_err(|e| SignError::MalformedCsr(bounded_message(e)))?;
         let requested: Vec<String> = csr
             .params
             .subject_alt_names
@@ -381,6 +387,71 @@ mod tests {
             issuer.sign(&tampered, id, Duration::from_secs(60)),
             Err(SignError::MalformedCsr(_))
         ));
+    }
+
+    /// The longest refusal a Certify caller can provoke.
+    const MAX_ERROR_BYTES: usize = 1024;
+
+    /// A CSR naming many long identities is refused with its names cut
+    /// short (they go back to the caller and into the log).
+    #[test]
+    fn wrong_names_are_not_echoed_whole() {
+        let (_dir, issuer) = setup();
+        let names: Vec<String> = (0..2000)
+            .map(|i| format!("{i}.{}", "n".repeat(200)))
+            .collect();
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let csr = CertificateParams::new(names)
+            .unwrap()
+            .serialize_request(&key)
+            .unwrap();
+        let Err(err) = issuer.sign(csr.der(), "a.b", Duration::from_secs(60)) else {
+            panic!("signed a CSR for the wrong names");
+        };
+        assert!(matches!(err, SignError::WrongName { .. }));
+        let shown = err.to_string();
+        assert!(shown.len() < MAX_ERROR_BYTES, "{} bytes", shown.len());
+    }
+
+    /// Whatever bytes arrive as a CSR (noise, or a valid CSR cut, extended
+    /// or with bytes changed), signing never panics, refusals are short,
+    /// and a certificate is only ever issued for the allowed identity.
+    #[test]
+    fn arbitrary_csr_bytes() {
+        use proptest::prelude::*;
+        use proptest::test_runner::{Config, TestRunner};
+        let (_dir, issuer) = setup();
+        let id = "web.demo.serviceaccount.identity.cluster.local";
+        let valid = crate::csr::generate(id).unwrap().csr_der;
+        let len = valid.len();
+        let noise = proptest::collection::vec(any::<u8>(), 0..1024);
+        let mutated = (
+            proptest::collection::vec((0..len, any::<u8>()), 0..4),
+            0..=len,
+            proptest::collection::vec(any::<u8>(), 0..8),
+        )
+            .prop_map(move |(changes, cut, tail)| {
+                let mut bytes = valid.clone();
+                for (at, byte) in changes {
+                    bytes[at] = byte;
+                }
+                bytes.truncate(cut);
+                bytes.extend(tail);
+                bytes
+            });
+        let mut runner = TestRunner::new(Config::with_cases(256));
+        runner
+            .run(&prop_oneof![noise, mutated], |bytes| {
+                match issuer.sign(&bytes, id, Duration::from_secs(60)) {
+                    Ok(issued) => prop_assert_eq!(
+                        crate::cert::dns_names(&issued.leaf_der),
+                        vec![id.to_string()]
+                    ),
+                    Err(e) => prop_assert!(e.to_string().len() < MAX_ERROR_BYTES),
+                }
+                Ok(())
+            })
+            .unwrap();
     }
 
     #[test]

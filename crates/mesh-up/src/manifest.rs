@@ -2,9 +2,12 @@
 //! several linked clusters), how many replicas, how the demo app behaves,
 //! what load to send, and scripted events. Errors name the field.
 
+use std::io::Read;
+
 use serde::{Deserialize, Serialize};
 use tether_core::authority::is_dns_label;
 use tether_core::registry::MulticlusterMode;
+use tether_core::truncate::{bounded_message, for_log};
 
 use crate::loadgen::LoadProtocol;
 
@@ -131,6 +134,13 @@ fn default_rps() -> f64 {
 pub const MAX_REPLICAS: u32 = 20;
 pub const MAX_RPS: f64 = 5000.0;
 pub const MAX_CLUSTERS: usize = 4;
+/// Services per cluster, load targets and events: each service runs up to
+/// `MAX_REPLICAS` processes, so the manifest bounds what one file starts.
+pub const MAX_SERVICES: usize = 64;
+pub const MAX_LOAD_TARGETS: usize = 64;
+pub const MAX_EVENTS: usize = 256;
+/// The largest manifest file read.
+pub const MAX_MANIFEST_BYTES: u64 = 1024 * 1024;
 
 /// The built-in demo: a fast HTTP service and a slower gRPC one with a few
 /// errors, both under steady load.
@@ -212,11 +222,39 @@ impl Manifest {
     pub fn parse(text: &str, source_name: &str) -> Result<Self, ManifestError> {
         let err = |message: String| ManifestError {
             source_name: source_name.to_string(),
-            message,
+            message: bounded_message(message),
         };
-        let m: Manifest = serde_yaml::from_str(text).map_err(|e| err(e.to_string()))?;
+        if text.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(err(format!(
+                "{} bytes, over the limit of {MAX_MANIFEST_BYTES} bytes",
+                text.len()
+            )));
+        }
+        let m: Manifest = serde_yaml::from_str(text).map_err(|e| ManifestError {
+            source_name: source_name.to_string(),
+            message: bounded_message(e),
+        })?;
         m.validate().map_err(err)?;
         Ok(m)
+    }
+
+    /// Reads and parses a manifest file, reading no more than the limit.
+    pub fn load(path: &std::path::Path) -> Result<Self, ManifestError> {
+        let name = path.display().to_string();
+        let err = |message: String| ManifestError {
+            source_name: name.clone(),
+            message,
+        };
+        let file = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+        let mut bytes = Vec::new();
+        file.take(MAX_MANIFEST_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| err(e.to_string()))?;
+        if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(err(format!("over the limit of {MAX_MANIFEST_BYTES} bytes")));
+        }
+        let text = String::from_utf8(bytes).map_err(|e| err(format!("not UTF-8 text ({e})")))?;
+        Self::parse(&text, &name)
     }
 
     /// The clusters to run: the `clusters` list, or one unnamed cluster
@@ -236,9 +274,15 @@ impl Manifest {
     fn validate(&self) -> Result<(), String> {
         if !is_dns_label(&self.namespace) {
             return Err(format!(
-                "field `namespace`: {:?} is not a valid namespace",
-                self.namespace
+                "field `namespace`: {} is not a valid namespace",
+                for_log(&self.namespace)
             ));
+        }
+        if self.load.len() > MAX_LOAD_TARGETS {
+            return Err(format!("field `load`: at most {MAX_LOAD_TARGETS} targets"));
+        }
+        if self.events.len() > MAX_EVENTS {
+            return Err(format!("field `events`: at most {MAX_EVENTS} events"));
         }
         match (self.services.is_empty(), self.clusters.is_empty()) {
             (true, true) => {
@@ -260,14 +304,14 @@ impl Manifest {
         for (c, cluster) in self.clusters.iter().enumerate() {
             if !is_dns_label(&cluster.name) {
                 return Err(format!(
-                    "field `clusters[{c}].name`: {:?} is not a valid name",
-                    cluster.name
+                    "field `clusters[{c}].name`: {} is not a valid name",
+                    for_log(&cluster.name)
                 ));
             }
             if self.clusters[..c].iter().any(|o| o.name == cluster.name) {
                 return Err(format!(
-                    "field `clusters[{c}].name`: {:?} is listed twice",
-                    cluster.name
+                    "field `clusters[{c}].name`: {} is listed twice",
+                    for_log(&cluster.name)
                 ));
             }
             for (l, link) in cluster.links.iter().enumerate() {
@@ -275,8 +319,8 @@ impl Manifest {
                     || link.cluster == cluster.name
                 {
                     return Err(format!(
-                        "field `clusters[{c}].links[{l}].cluster`: {:?} is not another cluster of this manifest",
-                        link.cluster
+                        "field `clusters[{c}].links[{l}].cluster`: {} is not another cluster of this manifest",
+                        for_log(&link.cluster)
                     ));
                 }
                 if link.priority == 0 {
@@ -306,7 +350,8 @@ impl Manifest {
             }
             if !self.clusters.iter().any(|c| &c.name == target) {
                 return Err(format!(
-                    "field `events[{i}]`: {target:?} is not a cluster of this manifest"
+                    "field `events[{i}]`: {} is not a cluster of this manifest",
+                    for_log(target)
                 ));
             }
             if !(0.0..=3600.0).contains(&e.at) {
@@ -320,7 +365,8 @@ impl Manifest {
                     Some(x) => &x.services,
                     None => {
                         return Err(format!(
-                            "field `load[{i}].cluster`: {c:?} is not a cluster of this manifest"
+                            "field `load[{i}].cluster`: {} is not a cluster of this manifest",
+                            for_log(c)
                         ))
                     }
                 },
@@ -335,8 +381,8 @@ impl Manifest {
             };
             if !services.iter().any(|s| s.name == l.service) {
                 return Err(format!(
-                    "field `load[{i}].service`: {:?} is not a service of this manifest",
-                    l.service
+                    "field `load[{i}].service`: {} is not a service of this manifest",
+                    for_log(&l.service)
                 ));
             }
             if !(l.rps > 0.0 && l.rps <= MAX_RPS) {
@@ -352,24 +398,33 @@ impl Manifest {
         if services.is_empty() {
             return Err(format!("field `{path}`: at least one service is needed"));
         }
+        if services.len() > MAX_SERVICES {
+            return Err(format!("field `{path}`: at most {MAX_SERVICES} services"));
+        }
         for (i, s) in services.iter().enumerate() {
             let f = |field: &str| format!("field `{path}[{i}].{field}`");
             if !is_dns_label(&s.name) {
-                return Err(format!("{}: {:?} is not a valid name", f("name"), s.name));
+                return Err(format!(
+                    "{}: {} is not a valid name",
+                    f("name"),
+                    for_log(&s.name)
+                ));
             }
             if let Some(ns) = &s.namespace {
                 if !is_dns_label(ns) {
                     return Err(format!(
-                        "{}: {ns:?} is not a valid namespace",
-                        f("namespace")
+                        "{}: {} is not a valid namespace",
+                        f("namespace"),
+                        for_log(ns)
                     ));
                 }
             }
             if let Some(g) = &s.global_id {
                 if !g.split('.').all(is_dns_label) {
                     return Err(format!(
-                        "{}: {g:?} is not a valid global id",
-                        f("global_id")
+                        "{}: {} is not a valid global id",
+                        f("global_id"),
+                        for_log(g)
                     ));
                 }
             }
@@ -390,9 +445,9 @@ impl Manifest {
                 .any(|o| o.name == s.name && o.namespace(self) == s.namespace(self))
             {
                 return Err(format!(
-                    "{}: service {:?} is listed twice",
+                    "{}: service {} is listed twice",
                     f("name"),
-                    s.name
+                    for_log(&s.name)
                 ));
             }
         }
@@ -410,6 +465,92 @@ mod tests {
         assert_eq!(m.services.len(), 2);
         assert_eq!(m.load[1].protocol, LoadProtocol::Grpc);
         assert_eq!(Manifest::multicluster_demo().cluster_specs().len(), 2);
+    }
+
+    /// The longest error a manifest may produce, whatever it holds.
+    const MAX_ERROR_BYTES: usize = 1024;
+
+    #[test]
+    fn limits_and_huge_values() {
+        let huge = "x".repeat(1 << 19);
+        for text in [
+            format!("services: [{{name: {huge}}}]"),
+            format!("namespace: {huge}\nservices: [{{name: web}}]"),
+            format!("services: [{{name: web, {huge}: 1}}]"),
+            format!("services: [{{name: web}}]\nload: [{{service: {huge}}}]"),
+        ] {
+            let e = Manifest::parse(&text, "m.yaml").unwrap_err().to_string();
+            assert!(e.len() < MAX_ERROR_BYTES, "{} bytes", e.len());
+        }
+        let e = Manifest::parse(&format!("services: []\n#{}", "x".repeat(1 << 20)), "m")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("over the limit of 1048576 bytes"), "{e}");
+        let many: Vec<String> = (0..=MAX_SERVICES)
+            .map(|i| format!("{{name: s{i}}}"))
+            .collect();
+        let e = Manifest::parse(&format!("services: [{}]", many.join(", ")), "m")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("field `services`: at most 64"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.yaml");
+        std::fs::write(&path, vec![b'#'; MAX_MANIFEST_BYTES as usize + 1]).unwrap();
+        let e = Manifest::load(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("big.yaml") && e.contains("over the limit"),
+            "{e}"
+        );
+    }
+
+    mod properties {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        /// Fragments of manifests, so random input gets past YAML into the
+        /// checks, plus raw noise and one long value.
+        fn manifest_text() -> impl Strategy<Value = String> {
+            let fragment = prop_oneof![
+                Just("services:\n  - name: web\n".to_string()),
+                Just("clusters:\n  - name: east\n    services: [{name: web}]\n".to_string()),
+                Just("    links: [{cluster: west}]\n".to_string()),
+                Just("load:\n  - service: web\n".to_string()),
+                Just("    cluster: east\n".to_string()),
+                Just("events: [{at: 1, kill: east}]\n".to_string()),
+                Just("    replicas: 0\n".to_string()),
+                "[a-z_ ]{1,10}: [a-z0-9.:{}\\[\\]-]{0,12}\n",
+                any::<String>(),
+                (
+                    prop::sample::select(vec![
+                        "namespace",
+                        "  - name",
+                        "    service",
+                        "    global_id",
+                        "cluster_domain"
+                    ]),
+                    0usize..20_000,
+                )
+                    .prop_map(|(key, n)| format!("{key}: {}\n", "q".repeat(n))),
+            ];
+            proptest::collection::vec(fragment, 0..10).prop_map(|v| v.concat())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            #[test]
+            fn parsing_never_panics_and_errors_are_bounded(text in manifest_text()) {
+                if let Err(e) = Manifest::parse(&text, "m.yaml") {
+                    let e = e.to_string();
+                    prop_assert!(e.len() < super::MAX_ERROR_BYTES, "{} bytes", e.len());
+                }
+            }
+
+            #[test]
+            fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+                let _ = Manifest::parse(&String::from_utf8_lossy(&bytes), "m.yaml");
+            }
+        }
     }
 
     #[test]
