@@ -247,6 +247,14 @@ async fn main() -> anyhow::Result<()> {
         changes += 1;
     }
     let churn_elapsed = started.elapsed();
+    // Without coalescing, every change is one Remove and one Add to each
+    // subscriber of its service (subscriber i follows service i mod S).
+    let subscribers_of = |svc: usize| {
+        args.subscribers / args.services + usize::from(svc < args.subscribers % args.services)
+    };
+    let expected_updates: usize = (0..changes)
+        .map(|c| 2 * subscribers_of(c % args.services))
+        .sum();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let end = tether_bench::proc_usage(pid);
     let (cpu_after, rss_end, rss_peak) = (end.cpu_seconds, end.rss_kib, end.peak_rss_kib);
@@ -278,9 +286,27 @@ async fn main() -> anyhow::Result<()> {
         churn_elapsed.as_secs_f64(),
         changes as f64 / churn_elapsed.as_secs_f64()
     );
+    let received = report["updates_received"].as_u64().unwrap_or(0) as i64;
     println!(
-        "updates received by subscribers: {} ({} adds timed)",
-        report["updates_received"], report["adds_timed"]
+        "updates received by subscribers: {received} of {expected_updates} without coalescing ({:+}; fewer means coalesced, more means repeated) ({} adds timed)",
+        received - expected_updates as i64,
+        report["adds_timed"]
+    );
+    // None lost: every subscriber's final view is the registry's final state.
+    let mut converged = 0u64;
+    for (svc, authority) in services.iter().zip(&authorities) {
+        let want = format!(
+            "{:016x}",
+            tether_bench::endpoints_digest(svc.endpoints.iter().map(|(a, _)| a))
+        );
+        converged += report["final_views"][authority][&want]
+            .as_u64()
+            .unwrap_or(0);
+    }
+    println!(
+        "subscribers whose final view matches the registry: {converged} of {} ({} diverged)",
+        args.subscribers,
+        args.subscribers as u64 - converged
     );
     println!(
         "latency registry write → subscriber receipt: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms",

@@ -1,4 +1,5 @@
-//! What the benchmarks share: reading a process's CPU time and memory.
+//! What the benchmarks share: reading a process's CPU time and memory, and
+//! a digest of an endpoint set that two processes compute alike.
 
 /// A process's CPU time (user + system) and memory, from `/proc`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -38,4 +39,20 @@ pub fn proc_usage(pid: u32) -> ProcUsage {
         rss_kib: kib("VmRSS:"),
         peak_rss_kib: kib("VmHWM:"),
     }
+}
+
+/// A digest of a set of endpoint addresses (FNV-1a over the sorted
+/// addresses), the same in every process: the discovery bench compares each
+/// subscriber's final view with the registry's without shipping the sets.
+pub fn endpoints_digest<'a>(addrs: impl IntoIterator<Item = &'a std::net::SocketAddr>) -> u64 {
+    let mut sorted: Vec<&std::net::SocketAddr> = addrs.into_iter().collect();
+    sorted.sort();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for a in sorted {
+        for b in format!("{a},").bytes() {
+            hash ^= u64::from(b);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    hash
 }
