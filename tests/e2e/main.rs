@@ -8,6 +8,7 @@ mod balancing;
 mod check;
 mod diagnostics;
 mod discovery;
+mod discovery_limits;
 mod drain;
 mod errors;
 mod gateway;

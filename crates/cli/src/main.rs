@@ -143,6 +143,10 @@ enum Command {
         /// A YAML file of links (see the README).
         #[arg(long)]
         links: Option<PathBuf>,
+        /// Live Destination.Get streams served at most; beyond, Get is refused
+        /// (RESOURCE_EXHAUSTED) and proxies try another replica.
+        #[arg(long, default_value = "100000", value_parser = clap::value_parser!(u64).range(1..))]
+        max_subscriptions: u64,
     },
     /// Run the sidecar proxy.
     Proxy {
@@ -210,6 +214,15 @@ enum Command {
         retry_budget_min_per_second: f64,
         #[command(flatten)]
         serve: ServeArgs,
+        /// Authorities (service:port) followed at once, one discovery
+        /// subscription each; past it the least recently used idle one is
+        /// dropped, and with none idle new authorities get 503.
+        #[arg(long, default_value = "1000", value_parser = clap::value_parser!(u64).range(1..))]
+        max_discovery_subscriptions: u64,
+        /// Seconds a control plane may take to send a discovery stream's first
+        /// update before the next --control address is tried.
+        #[arg(long, default_value = "1", value_parser = parse_secs)]
+        discovery_first_answer_timeout: Duration,
     },
     /// Run the multicluster gateway: mTLS from other clusters to local global services.
     Gateway {
@@ -490,6 +503,7 @@ async fn main() -> anyhow::Result<()> {
             gateway_identity,
             mut link,
             links,
+            max_subscriptions,
         } => {
             if let Some(path) = &links {
                 let text = std::fs::read_to_string(path)
@@ -529,6 +543,7 @@ async fn main() -> anyhow::Result<()> {
                 gateway_address,
                 gateway_identity,
                 links: link,
+                max_subscriptions: usize::try_from(max_subscriptions).unwrap_or(usize::MAX),
             };
             tether_control::run(config, shutdown).await?;
         }
@@ -553,10 +568,16 @@ async fn main() -> anyhow::Result<()> {
             retry_budget_ratio,
             retry_budget_min_per_second,
             serve,
+            max_discovery_subscriptions,
+            discovery_first_answer_timeout,
         } => {
             anyhow::ensure!(
                 retry_budget_ratio >= 0.0 && retry_budget_min_per_second >= 0.0,
                 "retry budget settings must not be negative"
+            );
+            anyhow::ensure!(
+                !discovery_first_answer_timeout.is_zero(),
+                "--discovery-first-answer-timeout must be more than 0"
             );
             let identity = match (identity, identity_token_file, trust_root) {
                 (Some(name), Some(token_file), Some(trust_root)) => {
@@ -587,6 +608,11 @@ async fn main() -> anyhow::Result<()> {
                 },
                 serve: serve.serve_config(),
                 response_timeout: serve.response_timeout(),
+                discovery: tether_proxy::discovery::DiscoverySettings {
+                    max_subscriptions: usize::try_from(max_discovery_subscriptions)
+                        .unwrap_or(usize::MAX),
+                    first_answer_timeout: discovery_first_answer_timeout,
+                },
             };
             tether_proxy::run(config, shutdown).await?;
         }

@@ -29,16 +29,24 @@ use linkerd2_proxy_api::destination::{
 };
 use linkerd2_proxy_api::net::TcpAddress;
 use tether_admin::Shutdown;
-use tether_core::authority::{parse_service_authority, split_host_port};
+use tether_core::authority::{parse_service_authority, split_host_port, ServiceKey};
 use tokio::sync::{mpsc, Notify};
 use tonic::{Request, Response, Status};
 
-use crate::index::{EndpointMeta, Index, PortSnapshot, SlotKey, SlotReceiver};
+use crate::index::{shrink_map, EndpointMeta, Index, PortSnapshot, SlotKey, SlotReceiver};
 use crate::metrics::{ControlMetrics, ServiceLabels};
 
 /// Updates buffered per subscriber before its task waits (on that
 /// subscriber alone).
 const SUBSCRIBER_BUFFER: usize = 4;
+
+/// The most one `Destination.Get` update may take, encoded. A large endpoint
+/// set goes out as several `Add`s (and `Remove`s) of at most this size: a
+/// stock client (linkerd2-proxy, Tether's proxy) treats the first `Add`
+/// after connecting as the whole set and later ones as additions, so
+/// several in a row mean the same as one. A quarter of the 4 MiB that gRPC
+/// clients accept by default ([`crate::server::MAX_SEND_MESSAGE_BYTES`]).
+pub const MAX_UPDATE_BYTES: usize = 1024 * 1024;
 
 pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
@@ -78,10 +86,27 @@ impl Subscription {
 }
 
 /// Every live subscription, for the audit.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Subscriptions {
-    live: Arc<Mutex<HashMap<u64, Arc<Subscription>>>>,
+    live: Arc<Mutex<Live>>,
     next_id: Arc<AtomicU64>,
+    limit: usize,
+}
+
+impl Default for Subscriptions {
+    fn default() -> Self {
+        Self::with_limit(usize::MAX)
+    }
+}
+
+#[derive(Default)]
+struct Live {
+    by_id: HashMap<u64, Arc<Subscription>>,
+    /// Live subscriptions per watched service. Counted here, under the same
+    /// lock as `by_id`, so the per-service gauge is removed exactly when
+    /// its last subscriber leaves (an attacker's made-up names leave no
+    /// label behind).
+    per_service: HashMap<SlotKey, usize>,
 }
 
 /// What one audit found.
@@ -104,65 +129,109 @@ impl std::fmt::Display for AuditReport {
     }
 }
 
+/// Keeps a subscription registered while its task lives.
 struct Registered {
     subs: Subscriptions,
     id: u64,
+    service: SlotKey,
     metrics: ControlMetrics,
-    labels: ServiceLabels,
+}
+
+fn service_labels(service: &SlotKey) -> ServiceLabels {
+    ServiceLabels {
+        service: service.to_string(),
+    }
 }
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        self.subs.live.lock().unwrap().remove(&self.id);
+        let mut live = self.subs.live.lock().unwrap();
+        live.by_id.remove(&self.id);
+        shrink_map(&mut live.by_id);
+        let labels = service_labels(&self.service);
+        match live.per_service.get_mut(&self.service) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                self.metrics
+                    .subscribers_per_service
+                    .get_or_create(&labels)
+                    .set(*n as i64);
+            }
+            _ => {
+                live.per_service.remove(&self.service);
+                shrink_map(&mut live.per_service);
+                self.metrics.subscribers_per_service.remove(&labels);
+            }
+        }
         self.metrics.subscribers.dec();
-        self.metrics
-            .subscribers_per_service
-            .get_or_create(&self.labels)
-            .dec();
     }
 }
 
 impl Subscriptions {
+    /// Registers at most `limit` live subscriptions at once.
+    pub fn with_limit(limit: usize) -> Self {
+        Self {
+            live: Arc::default(),
+            next_id: Arc::default(),
+            limit,
+        }
+    }
+
     fn register(
         &self,
         service: SlotKey,
         port: u16,
         metrics: &ControlMetrics,
-    ) -> (Arc<Subscription>, Registered) {
+    ) -> Result<(Arc<Subscription>, Registered), Status> {
+        let mut live = self.live.lock().unwrap();
+        if live.by_id.len() >= self.limit {
+            return Err(Status::resource_exhausted(format!(
+                "this control plane serves at most {} Destination subscriptions (--max-subscriptions); try another replica",
+                self.limit
+            )));
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let labels = ServiceLabels {
-            service: service.to_string(),
-        };
         let sub = Arc::new(Subscription {
-            service,
+            service: service.clone(),
             port,
             state: Mutex::default(),
             repair: Notify::new(),
         });
-        self.live.lock().unwrap().insert(id, sub.clone());
+        live.by_id.insert(id, sub.clone());
+        let n = live.per_service.entry(service.clone()).or_default();
+        *n += 1;
+        metrics
+            .subscribers_per_service
+            .get_or_create(&service_labels(&service))
+            .set(*n as i64);
         metrics.subscribers.inc();
-        metrics.subscribers_per_service.get_or_create(&labels).inc();
         let guard = Registered {
             subs: self.clone(),
             id,
+            service,
             metrics: metrics.clone(),
-            labels,
         };
-        (sub, guard)
+        Ok((sub, guard))
     }
 
     pub fn len(&self) -> usize {
-        self.live.lock().unwrap().len()
+        self.live.lock().unwrap().by_id.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// Services with at least one live subscription.
+    pub fn services(&self) -> usize {
+        self.live.lock().unwrap().per_service.len()
+    }
+
     /// Compares every live subscription with the index, repairs what
     /// diverged, and records the result in the metrics.
     pub fn audit(&self, index: &Index, metrics: &ControlMetrics) -> AuditReport {
-        let subs: Vec<Arc<Subscription>> = self.live.lock().unwrap().values().cloned().collect();
+        let subs: Vec<Arc<Subscription>> =
+            self.live.lock().unwrap().by_id.values().cloned().collect();
         let mut report = AuditReport {
             subscriptions: subs.len(),
             ..Default::default()
@@ -216,7 +285,8 @@ pub struct SentState {
 
 impl SentState {
     /// The updates that take this subscriber from what it was sent to
-    /// `snap`, and records them as sent.
+    /// `snap`, and records them as sent. Large sets are split into several
+    /// `Remove`s and `Add`s, each at most [`MAX_UPDATE_BYTES`] encoded.
     pub fn diff(&mut self, snap: &PortSnapshot, service: &SlotKey) -> Vec<Update> {
         let mut out = Vec::new();
         let removed: Vec<SocketAddr> = self
@@ -225,16 +295,14 @@ impl SentState {
             .filter(|a| !snap.endpoints.contains_key(a))
             .copied()
             .collect();
-        if !removed.is_empty() {
-            for a in &removed {
-                self.endpoints.remove(a);
-            }
-            out.push(Update {
-                update: Some(update::Update::Remove(api::AddrSet {
-                    addrs: removed.into_iter().map(TcpAddress::from).collect(),
-                })),
-            });
+        for a in &removed {
+            self.endpoints.remove(a);
         }
+        let removed = removed.into_iter().map(TcpAddress::from).collect();
+        let (batches, _) = batched(removed, |addrs| {
+            update::Update::Remove(api::AddrSet { addrs })
+        });
+        out.extend(batches);
         if snap.endpoints.is_empty() {
             if self.no_endpoints != Some(snap.exists) {
                 self.no_endpoints = Some(snap.exists);
@@ -254,20 +322,30 @@ impl SentState {
                 added.push(weighted_addr(*a, m));
             }
         }
-        if !added.is_empty() {
-            out.push(Update {
-                update: Some(update::Update::Add(WeightedAddrSet {
-                    addrs: added,
-                    metric_labels: match service {
-                        SlotKey::Service(k) => HashMap::from([
-                            ("service".to_string(), k.name.clone()),
-                            ("namespace".to_string(), k.namespace.clone()),
-                        ]),
-                        SlotKey::Global(g) => HashMap::from([("global_id".to_string(), g.clone())]),
-                        SlotKey::Endpoint(_) => HashMap::new(),
-                    },
-                })),
-            });
+        let metric_labels = match service {
+            SlotKey::Service(k) => HashMap::from([
+                ("service".to_string(), k.name.clone()),
+                ("namespace".to_string(), k.namespace.clone()),
+            ]),
+            SlotKey::Global(g) => HashMap::from([("global_id".to_string(), g.clone())]),
+            SlotKey::Endpoint(_) => HashMap::new(),
+        };
+        let (batches, oversized) = batched(added, |addrs| {
+            update::Update::Add(WeightedAddrSet {
+                addrs,
+                metric_labels: metric_labels.clone(),
+            })
+        });
+        out.extend(batches);
+        if let Some(first) = oversized.first() {
+            // Recorded as sent all the same: re-sending would fail the same way.
+            tracing::warn!(
+                %service,
+                endpoints = oversized.len(),
+                first = ?first.addr,
+                limit = MAX_UPDATE_BYTES,
+                "endpoints left out of discovery: each one's description alone exceeds the update size limit"
+            );
         }
         out
     }
@@ -277,6 +355,47 @@ impl SentState {
         self.endpoints == snap.endpoints
             && (!snap.endpoints.is_empty() || self.no_endpoints == Some(snap.exists))
     }
+}
+
+/// Splits `items` into updates made by `wrap` (which puts them in the
+/// repeated field 1 of its set), each within [`MAX_UPDATE_BYTES`] encoded;
+/// sizes come from prost's own accounting. Items too large to fit even
+/// alone are returned apart.
+fn batched<M: prost::Message>(
+    items: Vec<M>,
+    wrap: impl Fn(Vec<M>) -> update::Update,
+) -> (Vec<Update>, Vec<M>) {
+    // The update around an empty set, plus the room its length prefixes may
+    // grow by once the set is full.
+    let overhead = prost::Message::encoded_len(&Update {
+        update: Some(wrap(Vec::new())),
+    }) + 2 * (prost::length_delimiter_len(MAX_UPDATE_BYTES) - 1);
+    let budget = MAX_UPDATE_BYTES.saturating_sub(overhead);
+    let (mut out, mut oversized) = (Vec::new(), Vec::new());
+    let (mut batch, mut bytes) = (Vec::new(), 0);
+    for item in items {
+        let len = prost::encoding::message::encoded_len(1, &item);
+        if len > budget {
+            oversized.push(item);
+            continue;
+        }
+        if bytes + len > budget {
+            out.push(std::mem::take(&mut batch));
+            bytes = 0;
+        }
+        bytes += len;
+        batch.push(item);
+    }
+    if !batch.is_empty() {
+        out.push(batch);
+    }
+    let updates = out
+        .into_iter()
+        .map(|b| Update {
+            update: Some(wrap(b)),
+        })
+        .collect();
+    (updates, oversized)
 }
 
 /// The wire form of one endpoint.
@@ -329,14 +448,30 @@ pub fn weighted_addr(addr: SocketAddr, meta: &EndpointMeta) -> WeightedAddr {
     }
 }
 
-/// Feeds one subscriber until it goes away or the control plane shuts down.
+/// Feeds one subscriber until it goes away or the control plane shuts
+/// down, then gives back everything the subscription held: its registry
+/// entry and, when it was the slot's last watcher, the slot.
 async fn serve_subscription(
     sub: Arc<Subscription>,
     mut slot: SlotReceiver,
     tx: mpsc::Sender<Result<Update, Status>>,
+    index: Index,
     metrics: ControlMetrics,
     shutdown: Shutdown,
-    _registered: Registered,
+    registered: Registered,
+) {
+    feed(&sub, &mut slot, &tx, &metrics, &shutdown).await;
+    drop(slot);
+    index.release(&sub.service, sub.port);
+    drop(registered);
+}
+
+async fn feed(
+    sub: &Subscription,
+    slot: &mut SlotReceiver,
+    tx: &mpsc::Sender<Result<Update, Status>>,
+    metrics: &ControlMetrics,
+    shutdown: &Shutdown,
 ) {
     loop {
         let published = slot.borrow_and_update().clone();
@@ -390,25 +525,69 @@ pub fn one_then_hold<T: Send + 'static>(item: T, shutdown: Shutdown) -> BoxStrea
 }
 
 impl DestinationService {
-    /// Starts a subscription's sender task; updates arrive on the receiver.
+    /// Starts a subscription's sender task; updates arrive on the receiver
+    /// (or, past the subscription limit, the refusal does).
     pub fn subscribe(
         &self,
         service: impl Into<SlotKey>,
         port: u16,
     ) -> mpsc::Receiver<Result<Update, Status>> {
-        let service = service.into();
+        self.try_subscribe(service.into(), port)
+            .unwrap_or_else(|refused| {
+                let (tx, rx) = mpsc::channel(1);
+                let _ = tx.try_send(Err(refused));
+                rx
+            })
+    }
+
+    /// As [`DestinationService::subscribe`], refusing past the limit.
+    pub fn try_subscribe(
+        &self,
+        service: SlotKey,
+        port: u16,
+    ) -> Result<mpsc::Receiver<Result<Update, Status>>, Status> {
+        let (sub, registered) =
+            self.subscriptions
+                .register(service.clone(), port, &self.metrics)?;
         let slot = self.index.subscribe(&service, port);
-        let (sub, registered) = self.subscriptions.register(service, port, &self.metrics);
         let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
         tokio::spawn(serve_subscription(
             sub,
             slot,
             tx,
+            self.index.clone(),
             self.metrics.clone(),
             self.shutdown.clone(),
             registered,
         ));
-        rx
+        Ok(rx)
+    }
+
+    /// Refuses a port the service does not declare (INVALID_ARGUMENT, like
+    /// a name that is not a service): it has no endpoints and cannot get
+    /// any until the registry changes, so holding a stream open for it only
+    /// costs memory. Clients ask again later (Tether's proxy within a
+    /// second of the next request, linkerd2-proxy treats it as "not a mesh
+    /// destination").
+    fn check_port(&self, service: &ServiceKey, port: u16) -> Result<(), Status> {
+        let Some(declared) = self.index.service(service).map(|s| s.ports) else {
+            return Ok(());
+        };
+        if declared.iter().any(|p| p.port == port) {
+            return Ok(());
+        }
+        let mut ports: Vec<String> = declared
+            .iter()
+            .take(8)
+            .map(|p| p.port.to_string())
+            .collect();
+        if declared.len() > 8 {
+            ports.push(format!("… ({} in all)", declared.len()));
+        }
+        Err(Status::invalid_argument(format!(
+            "service {service} has no port {port} (it declares {})",
+            ports.join(", ")
+        )))
     }
 
     fn profile_for(&self, path: &str) -> Result<DestinationProfile, Status> {
@@ -434,6 +613,7 @@ impl DestinationService {
         }
         let auth = parse_service_authority(path, &self.cluster_domain)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        self.check_port(&auth.service, auth.port)?;
         Ok(DestinationProfile {
             fully_qualified_name: auth.service.fqdn(&self.cluster_domain),
             opaque_protocol: self
@@ -483,10 +663,11 @@ impl Destination for DestinationService {
             (None, None) => {
                 let auth = parse_service_authority(&path, &self.cluster_domain)
                     .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                self.check_port(&auth.service, auth.port)?;
                 (SlotKey::Service(auth.service), auth.port)
             }
         };
-        let rx = self.subscribe(key, port);
+        let rx = self.try_subscribe(key, port)?;
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -505,7 +686,7 @@ impl Destination for DestinationService {
 mod tests {
     use super::*;
     use crate::index::EndpointMeta;
-    use tether_core::authority::ServiceKey;
+    use std::collections::BTreeSet;
 
     fn meta() -> EndpointMeta {
         EndpointMeta {
@@ -566,6 +747,102 @@ mod tests {
         assert!(sent.matches(&snap(true, &[])));
     }
 
+    /// 30,000 endpoints with identities and names make about 4 MB: more
+    /// than a gRPC client takes in one message by default.
+    fn large(n: u32) -> PortSnapshot {
+        PortSnapshot {
+            exists: true,
+            opaque: false,
+            endpoints: (0..n)
+                .map(|i| {
+                    let addr =
+                        SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8080));
+                    let m = EndpointMeta {
+                        name: Some(format!("web-7d9c8f6b5-{i:05}")),
+                        zone: Some("eu-west-1a".into()),
+                        ..meta()
+                    };
+                    (addr, m)
+                })
+                .collect(),
+        }
+    }
+
+    fn addrs_of(updates: &[Update]) -> (BTreeSet<SocketAddr>, BTreeSet<SocketAddr>) {
+        let (mut added, mut removed) = (BTreeSet::new(), BTreeSet::new());
+        let sock = |a: &TcpAddress| {
+            let ip = std::net::IpAddr::try_from(a.ip.unwrap()).unwrap();
+            SocketAddr::new(ip, a.port as u16)
+        };
+        for u in updates {
+            match u.update.as_ref().unwrap() {
+                update::Update::Add(s) => {
+                    for wa in &s.addrs {
+                        assert!(added.insert(sock(wa.addr.as_ref().unwrap())));
+                    }
+                    assert_eq!(s.metric_labels["service"], "web");
+                }
+                update::Update::Remove(s) => {
+                    for a in &s.addrs {
+                        assert!(removed.insert(sock(a)));
+                    }
+                }
+                update::Update::NoEndpoints(_) => {}
+            }
+        }
+        (added, removed)
+    }
+
+    #[test]
+    fn large_sets_go_out_in_updates_under_the_message_limit() {
+        use prost::Message;
+        let key = SlotKey::Service(ServiceKey::new("web", "demo"));
+        let big = large(30_000);
+        let mut sent = SentState::default();
+        let updates = sent.diff(&big, &key);
+        let whole: usize = updates.iter().map(|u| u.encoded_len()).sum();
+        assert!(whole > 4 * 1024 * 1024, "the set is {whole} bytes");
+        for u in &updates {
+            assert!(u.encoded_len() <= MAX_UPDATE_BYTES, "{}", u.encoded_len());
+        }
+        // Batches are full, not one endpoint each.
+        assert!(
+            updates.len() <= whole / (MAX_UPDATE_BYTES * 9 / 10) + 1,
+            "{}",
+            updates.len()
+        );
+        let (added, removed) = addrs_of(&updates);
+        assert_eq!(added.len(), 30_000);
+        assert!(removed.is_empty());
+        assert!(sent.matches(&big));
+
+        // Removing everything is batched too.
+        let none = snap(true, &[]);
+        let updates = sent.diff(&none, &key);
+        for u in &updates {
+            assert!(u.encoded_len() <= MAX_UPDATE_BYTES, "{}", u.encoded_len());
+        }
+        let (_, removed) = addrs_of(&updates);
+        assert_eq!(removed.len(), 30_000);
+        assert_eq!(kinds(&updates).last().unwrap(), "none:true");
+        assert!(sent.matches(&none));
+    }
+
+    #[test]
+    fn an_endpoint_too_large_for_any_update_is_left_out_and_not_resent() {
+        let key = SlotKey::Service(ServiceKey::new("web", "demo"));
+        let mut s = snap(true, &[1, 2]);
+        s.endpoints
+            .get_mut(&SocketAddr::from(([127, 0, 0, 1], 2)))
+            .unwrap()
+            .name = Some("x".repeat(MAX_UPDATE_BYTES));
+        let mut sent = SentState::default();
+        let updates = sent.diff(&s, &key);
+        assert_eq!(kinds(&updates), ["add1"]);
+        assert!(sent.matches(&s));
+        assert!(sent.diff(&s, &key).is_empty());
+    }
+
     #[tokio::test]
     async fn the_audit_finds_and_repairs_a_divergent_subscription() {
         use crate::index::ServiceState;
@@ -604,6 +881,7 @@ mod tests {
             .live
             .lock()
             .unwrap()
+            .by_id
             .values()
             .next()
             .unwrap()
@@ -622,6 +900,128 @@ mod tests {
         tokio::task::yield_now().await;
         assert_eq!(subscriptions.audit(&index, &metrics).divergent, 0);
         assert_eq!(metrics.divergent_subscriptions.get(), 0);
+    }
+
+    fn web_service() -> crate::index::ServiceState {
+        crate::index::ServiceState {
+            ports: vec![tether_core::registry::PortSpec {
+                port: 80,
+                opaque: false,
+            }],
+            global_id: None,
+            mode: None,
+            retry_budget: None,
+            cluster_ip: None,
+            endpoints: vec![tether_core::registry::EndpointSpec::new(
+                "127.0.0.1:1".parse().unwrap(),
+            )],
+        }
+    }
+
+    fn service_with(subscriptions: Subscriptions) -> DestinationService {
+        let metrics = ControlMetrics::default();
+        let index = Index::new(metrics.clone());
+        index.set_service(&ServiceKey::new("web", "demo"), Some(web_service()));
+        DestinationService {
+            index,
+            cluster_domain: "cluster.local".into(),
+            metrics,
+            shutdown: Shutdown::default(),
+            subscriptions,
+        }
+    }
+
+    async fn until(mut done: impl FnMut() -> bool) -> bool {
+        for _ in 0..200 {
+            if done() {
+                return true;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        done()
+    }
+
+    #[tokio::test]
+    async fn nothing_of_a_subscription_outlives_its_stream() {
+        let dst = service_with(Subscriptions::default());
+        let mut streams = Vec::new();
+        for i in 0..500 {
+            // Made-up names as well as a real service, as a client could.
+            let key = ServiceKey::new(format!("made-up-{i}"), "demo");
+            let mut rx = dst.subscribe(key, 80);
+            rx.recv().await.unwrap().unwrap();
+            streams.push(rx);
+            let mut rx = dst.subscribe(ServiceKey::new("web", "demo"), 80);
+            rx.recv().await.unwrap().unwrap();
+            streams.push(rx);
+        }
+        assert_eq!(dst.subscriptions.len(), 1000);
+        assert_eq!(dst.subscriptions.services(), 501);
+        assert_eq!(dst.index.slot_count(), 501);
+        assert_eq!(dst.metrics.subscribers.get(), 1000);
+        drop(streams);
+        // No garbage collection runs here: ending the streams is enough.
+        let (subs, index) = (dst.subscriptions.clone(), dst.index.clone());
+        assert!(
+            until(|| subs.is_empty() && subs.services() == 0 && index.slot_count() == 0).await,
+            "left behind: {} subscriptions of {} services, {} slots",
+            subs.len(),
+            subs.services(),
+            index.slot_count()
+        );
+        assert_eq!(dst.metrics.subscribers.get(), 0);
+        let mut registry = prometheus_client::registry::Registry::default();
+        dst.metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            !text.contains("made-up-"),
+            "per-service labels of ended streams stayed:\n{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn subscriptions_past_the_limit_are_refused() {
+        let dst = service_with(Subscriptions::with_limit(2));
+        let web = || SlotKey::Service(ServiceKey::new("web", "demo"));
+        let a = dst.try_subscribe(web(), 80).unwrap();
+        let _b = dst.try_subscribe(web(), 80).unwrap();
+        let refused = dst.try_subscribe(web(), 80).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+        assert!(refused.message().contains("at most 2"), "{refused:?}");
+        drop(a);
+        let subs = dst.subscriptions.clone();
+        assert!(until(|| subs.len() == 1).await);
+        assert!(dst.try_subscribe(web(), 80).is_ok());
+    }
+
+    #[tokio::test]
+    async fn an_undeclared_port_is_refused_at_once() {
+        let dst = service_with(Subscriptions::default());
+        let get = |path: &str| {
+            Request::new(GetDestination {
+                path: path.into(),
+                ..Default::default()
+            })
+        };
+        let Err(refused) = dst.get(get("web.demo.svc.cluster.local:81")).await else {
+            panic!("a stream for an undeclared port")
+        };
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+        assert!(
+            refused
+                .message()
+                .contains("has no port 81 (it declares 80)"),
+            "{refused:?}"
+        );
+        assert!(dst.subscriptions.is_empty());
+        let Err(refused) = dst.get_profile(get("web.demo.svc.cluster.local:81")).await else {
+            panic!("a profile for an undeclared port")
+        };
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+        // Declared ports and unknown services still get streams.
+        assert!(dst.get(get("web.demo.svc.cluster.local:80")).await.is_ok());
+        assert!(dst.get(get("nope.demo.svc.cluster.local:81")).await.is_ok());
     }
 
     #[test]

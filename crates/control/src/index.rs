@@ -327,6 +327,35 @@ impl Index {
         None
     }
 
+    /// Drops (key, port)'s slot if nobody watches it any more: called when
+    /// a subscription ends, so unsubscribed slots do not wait for the next
+    /// garbage collection (a client cycling through made-up names would
+    /// otherwise pile them up).
+    pub fn release(&self, key: &SlotKey, port: u16) {
+        let mut inner = self.inner.lock().unwrap();
+        let Some(ports) = inner.slots.get_mut(key) else {
+            return;
+        };
+        if ports.get(&port).is_some_and(|s| s.receiver_count() == 0) {
+            ports.remove(&port);
+            if ports.is_empty() {
+                inner.slots.remove(key);
+                shrink_map(&mut inner.slots);
+            }
+        }
+    }
+
+    /// How many (key, port) slots exist.
+    pub fn slot_count(&self) -> usize {
+        self.inner
+            .lock()
+            .unwrap()
+            .slots
+            .values()
+            .map(HashMap::len)
+            .sum()
+    }
+
     /// Drops slots that no subscriber watches any more.
     pub fn collect_garbage(&self) {
         let mut inner = self.inner.lock().unwrap();
@@ -463,6 +492,14 @@ impl Inner {
                 }
             }
         }
+    }
+}
+
+/// Gives back the memory of a map that shrank to a quarter of its capacity
+/// (after a burst of subscriptions, say), at an amortised constant cost.
+pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > 64 && map.len() * 4 < map.capacity() {
+        map.shrink_to(map.len() * 2);
     }
 }
 

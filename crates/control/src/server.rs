@@ -16,6 +16,20 @@ use crate::metrics::ControlMetrics;
 use crate::policy::PolicyService;
 use crate::registry::{file::FileRegistry, Registry, LOADED};
 
+/// The largest gRPC message the control plane sends. Destination updates
+/// are batched far below it ([`crate::destination::MAX_UPDATE_BYTES`]); it
+/// equals the 4 MiB that gRPC clients (tonic, grpc-go, linkerd2-proxy)
+/// accept by default, so a message over it would be refused anyway.
+pub const MAX_SEND_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+/// The largest request the control plane reads: a path, a context token, a
+/// CSR and a bootstrap token all fit many times over.
+pub const MAX_RECEIVE_MESSAGE_BYTES: usize = 256 * 1024;
+/// Concurrent HTTP/2 streams per client connection. A proxy holds two per
+/// service it follows (`Destination.Get` and `GetProfile`), at most
+/// `--max-discovery-subscriptions` (default 1,000) services: this leaves it
+/// room and bounds what one connection can make the control plane hold.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 4_096;
+
 #[derive(Clone, Debug)]
 pub struct ControlConfig {
     /// A registry directory, or `kubernetes`.
@@ -44,6 +58,10 @@ pub struct ControlConfig {
     pub gateway_address: Option<String>,
     pub gateway_identity: Option<String>,
     pub links: Vec<crate::multicluster::links::Link>,
+    /// Live `Destination.Get` streams this process serves at most; beyond,
+    /// `Get` is refused (RESOURCE_EXHAUSTED) so the proxy tries another
+    /// replica.
+    pub max_subscriptions: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -111,12 +129,16 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
                 )),
             };
             tracing::info!(dir = %dir.display(), "identity: issuing certificates");
-            Some(IdentityServer::new(crate::identity::IdentityService {
-                issuer,
-                tokens,
-                leaf_lifetime: config.leaf_lifetime,
-                metrics: identity_metrics.clone(),
-            }))
+            Some(
+                IdentityServer::new(crate::identity::IdentityService {
+                    issuer,
+                    tokens,
+                    leaf_lifetime: config.leaf_lifetime,
+                    metrics: identity_metrics.clone(),
+                })
+                .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
+            )
         }
         None => None,
     };
@@ -163,7 +185,7 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     if let Some(cluster) = &config.cluster {
         index.set_cluster(cluster);
     }
-    let subscriptions = crate::destination::Subscriptions::default();
+    let subscriptions = crate::destination::Subscriptions::with_limit(config.max_subscriptions);
     let audit: tether_admin::Extra = {
         let (subs, index, metrics) = (subscriptions.clone(), index.clone(), metrics.clone());
         Arc::new(move |_method, path, _query| {
@@ -291,9 +313,22 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     };
     let signal = shutdown.clone();
     let server = tonic::transport::Server::builder()
-        .add_service(DestinationServer::new(destination))
-        .add_service(OutboundPoliciesServer::new(policy.clone()))
-        .add_service(InboundServerPoliciesServer::new(policy))
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        .add_service(
+            DestinationServer::new(destination)
+                .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
+        )
+        .add_service(
+            OutboundPoliciesServer::new(policy.clone())
+                .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
+        )
+        .add_service(
+            InboundServerPoliciesServer::new(policy)
+                .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
+        )
         .add_optional_service(identity)
         .add_service(diagnostics)
         .serve_with_incoming_shutdown(tether_admin::incoming(grpc, "grpc"), async move {
@@ -333,6 +368,7 @@ async fn audit_loop(
 ) {
     let mut tick = tokio::time::interval(interval);
     tick.tick().await;
+    let mut trim = Trim::default();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -340,5 +376,57 @@ async fn audit_loop(
         }
         subscriptions.audit(&index, &metrics);
         index.collect_garbage();
+        if trim.due(subscriptions.len()) {
+            tokio::task::spawn_blocking(release_free_memory);
+        }
+    }
+}
+
+/// When to hand freed memory back to the operating system. glibc keeps
+/// what many closed streams freed (10,000 streams: about 150 MB of RSS that
+/// nothing uses) until asked; asking costs a walk of the heap, so it is done
+/// only after the number of subscriptions fell by half and by at least
+/// [`Trim::MIN_DROP`] since its peak.
+#[derive(Default)]
+struct Trim {
+    peak: usize,
+}
+
+impl Trim {
+    const MIN_DROP: usize = 1_000;
+
+    fn due(&mut self, live: usize) -> bool {
+        self.peak = self.peak.max(live);
+        if self.peak - live >= Self::MIN_DROP && live <= self.peak / 2 {
+            self.peak = live;
+            return true;
+        }
+        false
+    }
+}
+
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: malloc_trim only returns free heap pages to the kernel.
+        unsafe { libc::malloc_trim(0) };
+        tracing::debug!("returned freed memory to the operating system");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Trim;
+
+    #[test]
+    fn memory_is_trimmed_after_a_large_drop_only() {
+        let mut trim = Trim::default();
+        assert!(!trim.due(10_000));
+        assert!(!trim.due(9_000), "a small drop");
+        assert!(!trim.due(5_001));
+        assert!(trim.due(4_000));
+        assert!(!trim.due(4_000), "once per drop");
+        assert!(!trim.due(3_500), "less than MIN_DROP below the new peak");
+        assert!(trim.due(1_500));
     }
 }

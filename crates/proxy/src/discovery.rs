@@ -10,10 +10,26 @@
 //! stream replaces them wholesale (the control plane always starts a stream
 //! with the full state).
 //!
+//! A large set may come as several `Add`s in a row; like linkerd2-proxy, the
+//! first `Add` of a stream replaces what was known and later ones add to it,
+//! and updates that have already arrived are applied together, so a set
+//! split across messages is published whole whenever the network delivered
+//! it whole.
+//!
 //! A stream can also be alive but stale: open, silent, while every endpoint
 //! it gave refuses connections. The outbound side reports that through a
 //! [`Stall`] signal; if no update has arrived for a while, the stream is
 //! dropped and discovery re-subscribes (to the next control plane).
+//!
+//! A replica that accepts connections but never answers (hung, stopped)
+//! gets [`Discovery::with_first_answer_timeout`] to send a stream's first
+//! update, when there is another replica to try; requests are told
+//! `control plane unreachable` meanwhile, and every new stream starts with
+//! the replica that answered last.
+//!
+//! Limits: an update may be at most [`MAX_MESSAGE_BYTES`]; a bigger one is
+//! reported as `message too large` (log, metric reason, the error requests
+//! get), not as an unreachable control plane.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -87,9 +103,57 @@ pub struct Resolution {
     pub exists: bool,
     pub endpoints: Arc<BTreeMap<SocketAddr, Endpoint>>,
     /// The last stream error, cleared by the next answer.
-    pub last_error: Option<String>,
+    pub last_error: Option<StreamError>,
+    /// Why the control plane refused the authority outright (not a service
+    /// name, a port the service does not declare).
+    pub rejected: Option<String>,
     /// When the last update arrived.
     pub last_update: Option<Instant>,
+}
+
+/// Why a discovery stream failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StreamError {
+    /// No usable answer: refused, silent, shut down, unresolvable.
+    Unreachable(String),
+    /// An update over [`MAX_MESSAGE_BYTES`] (or over the control plane's own
+    /// sending limit).
+    TooLarge(String),
+}
+
+impl std::fmt::Display for StreamError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StreamError::Unreachable(e) | StreamError::TooLarge(e) => f.write_str(e),
+        }
+    }
+}
+
+/// The largest discovery message the proxy decodes: gRPC's customary 4 MiB.
+/// Tether's control plane sends at most a quarter of it per update.
+pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// Whether `status` says a message went over a size limit (tonic's wording
+/// on either side: "decoded/encoded message length too large").
+fn is_too_large(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+    ) && status.message().contains("message length too large")
+}
+
+/// A status message as logs and errors carry it: bounded, whatever the
+/// control plane sent.
+fn bounded(message: &str) -> String {
+    const MAX: usize = 256;
+    if message.len() <= MAX {
+        return message.to_string();
+    }
+    let mut end = MAX;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &message[..end], message.len())
 }
 
 /// Raised by the outbound side when every endpoint of a service is failing.
@@ -99,6 +163,17 @@ pub type Stall = Arc<Notify>;
 pub struct ControlPlanes {
     targets: Vec<String>,
     channels: Mutex<HashMap<SocketAddr, Channel>>,
+    /// The replica that answered last: where new streams start, so a hung
+    /// replica costs one stream its first-answer timeout, not every stream.
+    preferred: Mutex<Option<SocketAddr>>,
+}
+
+/// One control plane to try.
+pub struct Picked {
+    pub addr: SocketAddr,
+    pub channel: Channel,
+    /// How many addresses the targets resolved to.
+    pub of: usize,
 }
 
 impl ControlPlanes {
@@ -114,12 +189,23 @@ impl ControlPlanes {
         Ok(Arc::new(Self {
             targets: targets.to_vec(),
             channels: Mutex::default(),
+            preferred: Mutex::default(),
         }))
     }
 
     /// The `attempt`-th control plane, in rotation over every address the
-    /// targets resolve to right now.
+    /// targets resolve to right now, starting at the one that answered last.
     pub async fn pick(&self, attempt: usize) -> Result<(SocketAddr, Channel), String> {
+        self.pick_one(attempt).await.map(|p| (p.addr, p.channel))
+    }
+
+    /// Records that `addr` answered.
+    pub fn answered(&self, addr: SocketAddr) {
+        *self.preferred.lock().unwrap() = Some(addr);
+    }
+
+    /// As [`ControlPlanes::pick`], also saying how many there are.
+    pub async fn pick_one(&self, attempt: usize) -> Result<Picked, String> {
         let mut addrs = Vec::new();
         for t in &self.targets {
             match tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host(t.as_str()))
@@ -140,7 +226,11 @@ impl ControlPlanes {
         }
         addrs.sort();
         addrs.dedup();
-        let addr = addrs[attempt % addrs.len()];
+        let preferred = *self.preferred.lock().unwrap();
+        let start = preferred
+            .and_then(|p| addrs.iter().position(|a| *a == p))
+            .unwrap_or(0);
+        let addr = addrs[(start + attempt) % addrs.len()];
         let mut channels = self.channels.lock().unwrap();
         let channel = channels
             .entry(addr)
@@ -154,7 +244,11 @@ impl ControlPlanes {
                     .connect_lazy()
             })
             .clone();
-        Ok((addr, channel))
+        Ok(Picked {
+            addr,
+            channel,
+            of: addrs.len(),
+        })
     }
 }
 
@@ -162,6 +256,29 @@ impl ControlPlanes {
 pub struct Discovery {
     controls: Arc<ControlPlanes>,
     metrics: crate::metrics::ProxyMetrics,
+    first_answer_timeout: Duration,
+}
+
+/// How long a control plane may take to send a stream's first update
+/// before the next replica is tried (`--discovery-first-answer-timeout`).
+pub const DEFAULT_FIRST_ANSWER_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What discovery may hold and wait for.
+#[derive(Clone, Copy, Debug)]
+pub struct DiscoverySettings {
+    /// Authorities followed at once (`--max-discovery-subscriptions`).
+    pub max_subscriptions: usize,
+    /// See [`Discovery::with_first_answer_timeout`].
+    pub first_answer_timeout: Duration,
+}
+
+impl Default for DiscoverySettings {
+    fn default() -> Self {
+        Self {
+            max_subscriptions: crate::outbound::service::DEFAULT_MAX_SERVICES,
+            first_answer_timeout: DEFAULT_FIRST_ANSWER_TIMEOUT,
+        }
+    }
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -171,7 +288,18 @@ const INVALID_RETRY: Duration = Duration::from_secs(30);
 
 impl Discovery {
     pub fn new(controls: Arc<ControlPlanes>, metrics: crate::metrics::ProxyMetrics) -> Self {
-        Self { controls, metrics }
+        Self {
+            controls,
+            metrics,
+            first_answer_timeout: DEFAULT_FIRST_ANSWER_TIMEOUT,
+        }
+    }
+
+    /// Gives a replica `timeout` to send a stream's first update before the
+    /// next one is tried (only when there is another to try).
+    pub fn with_first_answer_timeout(mut self, timeout: Duration) -> Self {
+        self.first_answer_timeout = timeout;
+        self
     }
 
     /// Follows `authority`'s profile and applies its retry budget (the
@@ -194,7 +322,7 @@ impl Discovery {
                         path: authority.clone(),
                         ..Default::default()
                     };
-                    let mut stream = DestinationClient::new(channel)
+                    let mut stream = client(channel)
                         .get_profile(req)
                         .await
                         .map_err(|s| s.message().to_string())?
@@ -243,10 +371,19 @@ impl Discovery {
             tx,
             stall,
             self.metrics.clone(),
+            self.first_answer_timeout,
         ));
         rx
     }
 }
+
+/// A Destination client with the proxy's explicit message limit.
+fn client(channel: Channel) -> DestinationClient<Channel> {
+    DestinationClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES)
+}
+
+/// Updates applied together when they have already arrived, at most.
+const COALESCE: usize = 256;
 
 fn jittered(d: Duration) -> Duration {
     d.mul_f64(rand::rng().random_range(0.5..1.0))
@@ -256,89 +393,53 @@ fn jittered(d: Duration) -> Duration {
 /// discovery re-subscribe.
 const STALL_QUIET: Duration = Duration::from_secs(1);
 
+/// How one stream attempt ended.
+struct Ended {
+    error: StreamError,
+    /// `ended`, `stalled`, `silent`, `message_too_large`, `rejected`, `error`.
+    reason: &'static str,
+}
+
 async fn resolve_task(
     authority: String,
     controls: Arc<ControlPlanes>,
     tx: watch::Sender<Resolution>,
     stall: Stall,
     metrics: crate::metrics::ProxyMetrics,
+    first_answer_timeout: Duration,
 ) {
     let mut backoff = BACKOFF_MIN;
     let mut next = 0usize;
     loop {
-        let mut wait = None;
-        let mut reason = "error";
-        let error = match controls.pick(next).await {
-            Err(e) => e,
-            Ok((addr, channel)) => {
-                let mut client = DestinationClient::new(channel);
-                let req = GetDestination {
-                    scheme: "k8s".into(),
-                    path: authority.clone(),
-                    ..Default::default()
-                };
-                tokio::select! {
-                    res = client.get(req) => match res {
-                        Ok(rsp) => {
-                            let mut stream = rsp.into_inner();
-                            let mut fresh = true;
-                            let mut last = Instant::now();
-                            loop {
-                                let msg = tokio::select! {
-                                    m = stream.message() => m,
-                                    _ = stall.notified() => {
-                                        if last.elapsed() >= STALL_QUIET {
-                                            reason = "stalled";
-                                            break format!("stream from {addr} stalled: every endpoint is failing and no update came");
-                                        }
-                                        continue;
-                                    }
-                                    _ = tx.closed() => return,
-                                };
-                                match msg {
-                                    Ok(Some(up)) => {
-                                        apply(&tx, up, fresh);
-                                        fresh = false;
-                                        last = Instant::now();
-                                        backoff = BACKOFF_MIN;
-                                    }
-                                    Ok(None) => {
-                                        reason = "ended";
-                                        break format!("control plane {addr} ended the stream");
-                                    }
-                                    Err(status) => break format!("control plane {addr}: {}", status.message()),
-                                }
-                            }
-                        }
-                        Err(status) if status.code() == tonic::Code::InvalidArgument => {
-                            // A definitive answer: this is not a service name.
-                            tx.send_modify(|r| {
-                                r.answered = true;
-                                r.exists = false;
-                                r.endpoints = Arc::default();
-                                r.last_error = None;
-                                r.last_update = Some(Instant::now());
-                            });
-                            wait = Some(INVALID_RETRY);
-                            format!("control plane {addr} rejected {authority}: {}", status.message())
-                        }
-                        Err(status) => format!("control plane {addr} unreachable: {}", status.message()),
-                    },
-                    _ = tx.closed() => return,
-                }
-            }
+        let ended = tokio::select! {
+            ended = follow(&authority, &controls, next, &tx, &stall, first_answer_timeout, &mut backoff) => ended,
+            _ = tx.closed() => return,
         };
-        if wait.is_none() {
-            tracing::info!(%authority, %error, "discovery stream lost; reconnecting");
-            metrics.discovery_reconnect(reason);
-            tx.send_modify(|r| r.last_error = Some(error));
-            next += 1;
+        if ended.reason == "rejected" {
+            // A definitive answer: this authority is not served. Ask again
+            // later (the outbound side drops it as soon as it is idle).
+            tracing::debug!(%authority, error = %ended.error, "control plane rejected the authority");
+            tokio::select! {
+                _ = tokio::time::sleep(INVALID_RETRY) => {}
+                _ = tx.closed() => return,
+            }
+            continue;
         }
-        // An orderly end (a replica shutting down) or a stall is retried at
-        // once on the next replica; failures back off.
-        let pause = match (wait, reason) {
-            (Some(w), _) => w,
-            (None, "ended" | "stalled") => jittered(BACKOFF_MIN),
+        match &ended.error {
+            StreamError::TooLarge(_) => {
+                tracing::warn!(%authority, error = %ended.error, "discovery stream lost: message too large; reconnecting")
+            }
+            StreamError::Unreachable(_) => {
+                tracing::info!(%authority, error = %ended.error, "discovery stream lost; reconnecting")
+            }
+        }
+        metrics.discovery_reconnect(ended.reason);
+        tx.send_modify(|r| r.last_error = Some(ended.error));
+        next += 1;
+        // An orderly end (a replica shutting down), a stall or a silent
+        // replica is retried at once on the next replica; failures back off.
+        let pause = match ended.reason {
+            "ended" | "stalled" | "silent" => jittered(BACKOFF_MIN),
             _ => {
                 let p = jittered(backoff);
                 backoff = (backoff * 2).min(BACKOFF_MAX);
@@ -352,38 +453,370 @@ async fn resolve_task(
     }
 }
 
-fn apply(tx: &watch::Sender<Resolution>, up: linkerd2_proxy_api::destination::Update, fresh: bool) {
-    tx.send_modify(|r| {
-        let mut endpoints = if fresh {
-            BTreeMap::new()
-        } else {
-            (*r.endpoints).clone()
-        };
-        match up.update {
-            Some(update::Update::Add(set)) => {
-                for ep in set.addrs.into_iter().filter_map(Endpoint::from_api) {
-                    endpoints.insert(ep.addr, ep);
-                }
-                r.exists = true;
+/// Follows one stream from the `attempt`-th control plane until it ends.
+async fn follow(
+    authority: &str,
+    controls: &ControlPlanes,
+    attempt: usize,
+    tx: &watch::Sender<Resolution>,
+    stall: &Stall,
+    first_answer_timeout: Duration,
+    backoff: &mut Duration,
+) -> Ended {
+    let unreachable = |e: String| Ended {
+        error: StreamError::Unreachable(e),
+        reason: "error",
+    };
+    let failed = |addr: SocketAddr, status: tonic::Status| {
+        let message = bounded(status.message());
+        if is_too_large(&status) {
+            Ended {
+                error: StreamError::TooLarge(format!(
+                    "control plane {addr}: message too large: {message}"
+                )),
+                reason: "message_too_large",
             }
-            Some(update::Update::Remove(set)) => {
-                for a in set.addrs {
-                    if let (Some(ip), Ok(port)) = (a.ip, u16::try_from(a.port)) {
-                        if let Ok(ip) = std::net::IpAddr::try_from(ip) {
-                            endpoints.remove(&SocketAddr::new(ip, port));
+        } else {
+            unreachable(format!("control plane {addr} unreachable: {message}"))
+        }
+    };
+    let picked = match controls.pick_one(attempt).await {
+        Ok(p) => p,
+        Err(e) => return unreachable(e),
+    };
+    let addr = picked.addr;
+    let req = GetDestination {
+        scheme: "k8s".into(),
+        path: authority.to_string(),
+        ..Default::default()
+    };
+    let mut client = client(picked.channel);
+    // The call and the first update, within the first-answer timeout when
+    // another replica could answer instead.
+    let first = async {
+        let mut stream = client.get(req).await?.into_inner();
+        let first = stream.message().await?;
+        Ok::<_, tonic::Status>((stream, first))
+    };
+    let answer = if picked.of > 1 {
+        tokio::time::timeout(first_answer_timeout, first).await
+    } else {
+        Ok(first.await)
+    };
+    let (mut stream, first) = match answer {
+        Err(_) => {
+            return Ended {
+                error: StreamError::Unreachable(format!(
+                    "control plane {addr} unreachable: no answer within {first_answer_timeout:?}; trying another replica"
+                )),
+                reason: "silent",
+            }
+        }
+        Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => {
+            let reason = bounded(status.message());
+            tx.send_modify(|r| {
+                r.answered = true;
+                r.exists = false;
+                r.endpoints = Arc::default();
+                r.last_error = None;
+                r.rejected = Some(reason.clone());
+                r.last_update = Some(Instant::now());
+            });
+            controls.answered(addr);
+            return Ended {
+                error: StreamError::Unreachable(format!(
+                    "control plane {addr} rejected {authority}: {reason}"
+                )),
+                reason: "rejected",
+            };
+        }
+        Ok(Err(status)) => return failed(addr, status),
+        Ok(Ok((_, None))) => {
+            return Ended {
+                error: StreamError::Unreachable(format!("control plane {addr} ended the stream")),
+                reason: "ended",
+            }
+        }
+        Ok(Ok((stream, Some(first)))) => (stream, first),
+    };
+    controls.answered(addr);
+    let mut pending = vec![first];
+    let mut fresh = true;
+    loop {
+        // Whatever else has already arrived goes in the same publication.
+        let mut end = None;
+        while pending.len() < COALESCE {
+            match futures::FutureExt::now_or_never(stream.message()) {
+                Some(Ok(Some(up))) => pending.push(up),
+                Some(other) => {
+                    end = Some(other);
+                    break;
+                }
+                None => break,
+            }
+        }
+        apply(tx, std::mem::take(&mut pending), fresh);
+        fresh = false;
+        *backoff = BACKOFF_MIN;
+        let last = Instant::now();
+        let msg = if let Some(end) = end {
+            end
+        } else {
+            loop {
+                tokio::select! {
+                    m = stream.message() => break m,
+                    _ = stall.notified() => {
+                        if last.elapsed() >= STALL_QUIET {
+                            return Ended {
+                                error: StreamError::Unreachable(format!(
+                                    "stream from {addr} stalled: every endpoint is failing and no update came"
+                                )),
+                                reason: "stalled",
+                            };
                         }
                     }
                 }
             }
-            Some(update::Update::NoEndpoints(ne)) => {
-                endpoints.clear();
-                r.exists = ne.exists;
+        };
+        match msg {
+            Ok(Some(up)) => pending.push(up),
+            Ok(None) => {
+                return Ended {
+                    error: StreamError::Unreachable(format!(
+                        "control plane {addr} ended the stream"
+                    )),
+                    reason: "ended",
+                }
             }
-            None => {}
+            Err(status) => return failed(addr, status),
         }
-        r.endpoints = Arc::new(endpoints);
+    }
+}
+
+/// Applies updates that arrived together; with `fresh` (a new stream's
+/// first), the first `Add` or `NoEndpoints` replaces what was known.
+fn apply(
+    tx: &watch::Sender<Resolution>,
+    updates: Vec<linkerd2_proxy_api::destination::Update>,
+    mut fresh: bool,
+) {
+    tx.send_modify(|r| {
+        // Cloned only when a balancer still holds the previous set.
+        let endpoints = Arc::make_mut(&mut r.endpoints);
+        for up in updates {
+            if fresh {
+                endpoints.clear();
+                fresh = false;
+            }
+            match up.update {
+                Some(update::Update::Add(set)) => {
+                    for ep in set.addrs.into_iter().filter_map(Endpoint::from_api) {
+                        endpoints.insert(ep.addr, ep);
+                    }
+                    r.exists = true;
+                }
+                Some(update::Update::Remove(set)) => {
+                    for a in set.addrs {
+                        if let (Some(ip), Ok(port)) = (a.ip, u16::try_from(a.port)) {
+                            if let Ok(ip) = std::net::IpAddr::try_from(ip) {
+                                endpoints.remove(&SocketAddr::new(ip, port));
+                            }
+                        }
+                    }
+                }
+                Some(update::Update::NoEndpoints(ne)) => {
+                    endpoints.clear();
+                    r.exists = ne.exists;
+                }
+                None => {}
+            }
+        }
         r.answered = true;
         r.last_error = None;
+        r.rejected = None;
         r.last_update = Some(Instant::now());
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use linkerd2_proxy_api::destination::{
+        destination_server::{Destination, DestinationServer},
+        DestinationProfile, Update, WeightedAddrSet,
+    };
+    use linkerd2_proxy_api::net::TcpAddress;
+    use std::pin::Pin;
+
+    type Updates = Pin<Box<dyn futures::Stream<Item = Result<Update, tonic::Status>> + Send>>;
+    type Profiles =
+        Pin<Box<dyn futures::Stream<Item = Result<DestinationProfile, tonic::Status>> + Send>>;
+
+    /// A control plane that answers every `Get` with `endpoints` endpoints
+    /// in one `Add`, then holds the stream open.
+    #[derive(Clone)]
+    struct OneAdd {
+        endpoints: u32,
+    }
+
+    fn add(n: u32) -> Update {
+        let addrs = (0..n)
+            .map(|i| WeightedAddr {
+                addr: Some(TcpAddress::from(SocketAddr::from((
+                    [10, (i >> 16) as u8, (i >> 8) as u8, i as u8],
+                    8080,
+                )))),
+                weight: 1,
+                // About 110 bytes each, like an endpoint with a pod name
+                // and an identity.
+                metric_labels: HashMap::from([(
+                    "pod".into(),
+                    format!("web-{i:08}.{}", "x".repeat(80)),
+                )]),
+                ..Default::default()
+            })
+            .collect();
+        Update {
+            update: Some(update::Update::Add(WeightedAddrSet {
+                addrs,
+                metric_labels: HashMap::new(),
+            })),
+        }
+    }
+
+    #[tonic::async_trait]
+    impl Destination for OneAdd {
+        type GetStream = Updates;
+        type GetProfileStream = Profiles;
+
+        async fn get(
+            &self,
+            _: tonic::Request<GetDestination>,
+        ) -> Result<tonic::Response<Updates>, tonic::Status> {
+            let first = futures::stream::iter([Ok(add(self.endpoints))]);
+            Ok(tonic::Response::new(Box::pin(futures::StreamExt::chain(
+                first,
+                futures::stream::pending(),
+            ))))
+        }
+
+        async fn get_profile(
+            &self,
+            _: tonic::Request<GetDestination>,
+        ) -> Result<tonic::Response<Profiles>, tonic::Status> {
+            Ok(tonic::Response::new(Box::pin(futures::stream::pending())))
+        }
+    }
+
+    /// Serves `dst` on a loopback `ip`, without any sending limit.
+    async fn serve(ip: [u8; 4], dst: OneAdd) -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind(SocketAddr::from((ip, 0)))
+            .await
+            .unwrap();
+        let addr = listener.local_addr().unwrap();
+        let incoming = futures::stream::unfold(listener, |l| async move {
+            let conn = l.accept().await.map(|(s, _)| s);
+            Some((conn, l))
+        });
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(DestinationServer::new(dst).max_encoding_message_size(usize::MAX))
+                .serve_with_incoming(incoming),
+        );
+        addr
+    }
+
+    fn discovery(controls: &[SocketAddr], first_answer: Duration) -> Discovery {
+        let targets: Vec<String> = controls.iter().map(|a| a.to_string()).collect();
+        Discovery::new(
+            ControlPlanes::new(&targets).unwrap(),
+            crate::metrics::ProxyMetrics::default(),
+        )
+        .with_first_answer_timeout(first_answer)
+    }
+
+    async fn wait_for(
+        rx: &mut watch::Receiver<Resolution>,
+        what: impl FnMut(&Resolution) -> bool,
+    ) -> Resolution {
+        tokio::time::timeout(Duration::from_secs(10), rx.wait_for(what))
+            .await
+            .expect("within 10 s")
+            .unwrap()
+            .clone()
+    }
+
+    #[tokio::test]
+    async fn an_update_over_the_limit_is_named_as_such() {
+        // 40,000 endpoints: about 4.4 MB in one message.
+        let control = serve([127, 0, 0, 1], OneAdd { endpoints: 40_000 }).await;
+        let d = discovery(&[control], DEFAULT_FIRST_ANSWER_TIMEOUT);
+        let mut rx = d.resolve("web.demo.svc.cluster.local:8080", Stall::default());
+        let r = wait_for(&mut rx, |r| r.last_error.is_some()).await;
+        let Some(StreamError::TooLarge(e)) = &r.last_error else {
+            panic!("{:?}", r.last_error)
+        };
+        assert!(e.contains("message too large"), "{e}");
+        assert!(e.contains("decoded message length too large"), "{e}");
+        assert!(!r.answered);
+        let text = {
+            let mut registry = prometheus_client::registry::Registry::default();
+            d.metrics.register(&mut registry);
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+            text
+        };
+        assert!(
+            text.contains(r#"tether_proxy_discovery_reconnects_total{reason="message_too_large"}"#),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_silent_replica_gets_the_first_answer_timeout_then_the_next_answers() {
+        // Accepts connections (the kernel does) and never answers, like a
+        // stopped replica. It sorts first, so it is tried first.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let live = serve([127, 0, 0, 2], OneAdd { endpoints: 3 }).await;
+        let first_answer = Duration::from_millis(200);
+        let d = discovery(&[silent.local_addr().unwrap(), live], first_answer);
+        let mut rx = d.resolve("web.demo.svc.cluster.local:8080", Stall::default());
+        let r = wait_for(&mut rx, |r| r.last_error.is_some() || r.answered).await;
+        let Some(StreamError::Unreachable(e)) = &r.last_error else {
+            panic!("the silent replica answered? {r:?}")
+        };
+        assert!(e.contains("no answer within 200ms"), "{e}");
+        let r = wait_for(&mut rx, |r| r.answered).await;
+        assert_eq!(r.endpoints.len(), 3);
+        assert!(r.last_error.is_none());
+
+        // New streams start with the replica that answered.
+        let mut other = d.resolve("api.demo.svc.cluster.local:8080", Stall::default());
+        let r = wait_for(&mut other, |r| r.last_error.is_some() || r.answered).await;
+        assert!(r.answered && r.last_error.is_none(), "{r:?}");
+    }
+
+    #[tokio::test]
+    async fn updates_that_arrived_together_are_published_together() {
+        let (tx, mut rx) = watch::channel(Resolution::default());
+        let mut published = 0;
+        let batch = |from: u32| {
+            let mut u = add(from + 2);
+            if let Some(update::Update::Add(set)) = &mut u.update {
+                set.addrs.drain(..from as usize);
+            }
+            u
+        };
+        apply(&tx, vec![batch(0), batch(2), batch(4)], true);
+        if rx.has_changed().unwrap() {
+            published += 1;
+        }
+        assert_eq!(rx.borrow_and_update().endpoints.len(), 6);
+        assert_eq!(published, 1);
+        // A fresh stream's first Add replaces; later ones add.
+        apply(&tx, vec![batch(10)], true);
+        assert_eq!(rx.borrow().endpoints.len(), 2);
+        apply(&tx, vec![batch(20)], false);
+        assert_eq!(rx.borrow().endpoints.len(), 4);
+    }
 }

@@ -17,6 +17,10 @@ pub enum ProxyError {
     UnknownService(String),
     #[error("control plane unreachable")]
     ControlPlaneUnreachable,
+    #[error("discovery of {authority} failed: message too large ({detail})")]
+    DiscoveryMessageTooLarge { authority: String, detail: String },
+    #[error("discovery subscription limit reached: this proxy follows at most {limit} authorities (--max-discovery-subscriptions) and none is idle")]
+    DiscoveryLimit { limit: usize },
     #[error("service in fail-fast")]
     FailFast,
     #[error("too many requests waiting for an endpoint of {authority}")]
@@ -41,6 +45,8 @@ impl ProxyError {
             | ProxyError::RequestBody(_) => StatusCode::BAD_REQUEST,
             ProxyError::UnknownService(_)
             | ProxyError::ControlPlaneUnreachable
+            | ProxyError::DiscoveryMessageTooLarge { .. }
+            | ProxyError::DiscoveryLimit { .. }
             | ProxyError::FailFast
             | ProxyError::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::Connect { .. } | ProxyError::Upstream { .. } | ProxyError::App { .. } => {

@@ -64,6 +64,7 @@ pub async fn run(config: GatewayConfig, shutdown: Shutdown) -> Result<(), ProxyS
         retry_budget: crate::retry::BudgetSpec::default(),
         serve: config.serve.clone(),
         response_timeout: config.response_timeout,
+        discovery: Default::default(),
     };
     let controls = crate::discovery::ControlPlanes::new(&config.control)?;
     let mut registry = prometheus_client::registry::Registry::default();

@@ -95,6 +95,8 @@ pub struct ProxyConfig {
     /// How long an outbound request may wait for response headers (all
     /// attempts together); `None` waits as long as the app takes.
     pub response_timeout: Option<Duration>,
+    /// What discovery may hold and wait for.
+    pub discovery: discovery::DiscoverySettings,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -130,7 +132,8 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
     let mut registry = prometheus_client::registry::Registry::default();
     let metrics = metrics::ProxyMetrics::default();
     metrics.register(&mut registry);
-    let discovery = discovery::Discovery::new(controls.clone(), metrics.clone());
+    let discovery = discovery::Discovery::new(controls.clone(), metrics.clone())
+        .with_first_answer_timeout(config.discovery.first_answer_timeout);
     let identity_metrics = identity::IdentityMetrics::default();
     let readiness = Readiness::default();
     let store = tether_identity::tls::CertStore::new();

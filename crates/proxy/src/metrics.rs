@@ -84,6 +84,9 @@ pub struct ProxyMetrics {
     pub failfast_transitions: Family<TransitionLabels, Counter>,
     pub discovery_age: Family<AuthorityLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub discovery_reconnects: Family<ReasonLabels, Counter>,
+    pub discovery_subscriptions: Gauge,
+    pub discovery_endpoints: Family<AuthorityLabels, Gauge>,
+    pub discovery_evictions: Family<ReasonLabels, Counter>,
     pub retries: Family<RetryLabels, Counter>,
 }
 
@@ -108,6 +111,9 @@ impl Default for ProxyMetrics {
             failfast_transitions: Family::default(),
             discovery_age: Family::default(),
             discovery_reconnects: Family::default(),
+            discovery_subscriptions: Gauge::default(),
+            discovery_endpoints: Family::default(),
+            discovery_evictions: Family::default(),
             retries: Family::default(),
         }
     }
@@ -172,8 +178,23 @@ impl ProxyMetrics {
         );
         registry.register(
             "tether_proxy_discovery_reconnects",
-            "Discovery streams re-established, by reason (error, ended, stalled)",
+            "Discovery streams re-established, by reason (error, ended, stalled, silent, message_too_large)",
             self.discovery_reconnects.clone(),
+        );
+        registry.register(
+            "tether_proxy_discovery_subscriptions",
+            "Authorities followed (one discovery subscription each; at most --max-discovery-subscriptions)",
+            self.discovery_subscriptions.clone(),
+        );
+        registry.register(
+            "tether_proxy_discovery_endpoints",
+            "Endpoints discovery gave for an authority",
+            self.discovery_endpoints.clone(),
+        );
+        registry.register(
+            "tether_proxy_discovery_evictions",
+            "Subscriptions dropped, by reason (idle, rejected: the control plane refused the authority, lru: room for another past the limit)",
+            self.discovery_evictions.clone(),
         );
     }
 

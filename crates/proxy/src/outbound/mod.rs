@@ -12,8 +12,7 @@
 pub mod forward;
 pub mod service;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -26,7 +25,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use self::forward::{Forwarder, Unavailable};
-use self::service::Service;
+use self::service::{Service, ServiceCache};
 use crate::balance::{pick, EndpointHandle};
 use crate::client::{EndpointClient, Proto};
 use crate::detect::{detect, PrefixedIo, Protocol, Unrecognized, OPAQUE_PREFACE};
@@ -36,7 +35,7 @@ use crate::http::{
     error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
     strip_mesh_asserted, Body, ORIG_PROTO, PROXY_ERROR,
 };
-use crate::metrics::{AuthorityLabels, Hop, ProxyMetrics};
+use crate::metrics::{Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
 use crate::tls::Connector;
 use crate::ProxyConfig;
@@ -45,8 +44,6 @@ use crate::ProxyConfig;
 const CONNECT_ATTEMPTS: usize = 3;
 /// Retries (after a request was sent) per request, whatever the budget.
 const MAX_RETRIES: usize = 3;
-/// Services unused this long are forgotten (and their discovery stream ended).
-const IDLE_SERVICE: Duration = Duration::from_secs(300);
 /// How long an intercepted connection may take to send its first line.
 const DETECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Refused connections are counted one by one but logged at most this often.
@@ -54,7 +51,7 @@ static REFUSAL_LOG: LogLimit = LogLimit::new(Duration::from_secs(5));
 
 pub struct Outbound {
     discovery: Discovery,
-    services: Mutex<HashMap<String, Arc<Service>>>,
+    services: ServiceCache,
     metrics: ProxyMetrics,
     failfast_timeout: Duration,
     max_pending: usize,
@@ -96,7 +93,7 @@ impl Outbound {
     ) -> Self {
         Self {
             discovery,
-            services: Mutex::default(),
+            services: ServiceCache::new(config.discovery.max_subscriptions),
             metrics,
             failfast_timeout: config.failfast_timeout,
             max_pending: config.max_pending,
@@ -260,23 +257,20 @@ impl Outbound {
     }
 
     fn service(&self, authority: &str) -> Arc<Service> {
-        let mut services = self.services.lock().unwrap();
-        let svc = services
-            .entry(authority.to_string())
-            .or_insert_with(|| {
-                Arc::new(Service::new(
-                    authority,
-                    &self.discovery,
-                    self.connector.clone(),
-                    self.failfast_timeout,
-                    self.max_pending,
-                    self.retry_budget,
-                    &self.metrics,
-                ))
-            })
-            .clone();
-        *svc.last_used.lock().unwrap() = Instant::now();
-        svc
+        let make = || {
+            Service::new(
+                authority,
+                &self.discovery,
+                self.connector.clone(),
+                self.failfast_timeout,
+                self.max_pending,
+                self.retry_budget,
+                &self.metrics,
+            )
+        };
+        self.services
+            .get(authority, &self.metrics, make)
+            .unwrap_or_else(|e| Arc::new(Service::refused(authority, self.connector.clone(), e)))
     }
 
     /// Resolves `authorities` at start and holds the proxy not-ready until
@@ -315,22 +309,7 @@ impl Outbound {
                 _ = tick.tick() => {}
                 _ = shutdown.triggered() => return,
             }
-            let mut services = self.services.lock().unwrap();
-            services.retain(|authority, s| {
-                let keep = Arc::strong_count(s) > 1
-                    || s.last_used.lock().unwrap().elapsed() < IDLE_SERVICE;
-                let labels = AuthorityLabels {
-                    authority: authority.clone(),
-                };
-                if keep {
-                    let age = s.update_age().map_or(-1.0, |a| a.as_secs_f64());
-                    self.metrics.discovery_age.get_or_create(&labels).set(age);
-                } else {
-                    self.metrics.discovery_age.remove(&labels);
-                    self.metrics.failfast.remove(&labels);
-                }
-                keep
-            });
+            self.services.sweep(&self.metrics);
         }
     }
 

@@ -1,7 +1,9 @@
 //! One logical service as the outbound side sees it: its discovery stream,
 //! its balancer, its fail-fast watcher, and the bounded queue of requests
-//! waiting for it to have an endpoint.
+//! waiting for it to have an endpoint; and [`ServiceCache`], the services a
+//! proxy follows, bounded in number.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -9,10 +11,16 @@ use tether_admin::Shutdown;
 use tokio::sync::{watch, Semaphore};
 
 use crate::balance::{Balancer, EndpointHandle};
-use crate::discovery::{Discovery, Stall};
+use crate::discovery::{Discovery, Stall, StreamError};
 use crate::errors::ProxyError;
-use crate::metrics::ProxyMetrics;
+use crate::metrics::{AuthorityLabels, ProxyMetrics, ReasonLabels};
 use crate::tls::Connector;
+
+/// Services unused this long are forgotten (and their discovery stream ended).
+pub const IDLE_SERVICE: Duration = Duration::from_secs(300);
+/// Authorities a proxy follows at once by default
+/// (`--max-discovery-subscriptions`).
+pub const DEFAULT_MAX_SERVICES: usize = 1_000;
 
 pub struct Service {
     pub authority: Arc<str>,
@@ -25,6 +33,8 @@ pub struct Service {
     budget: Arc<crate::retry::RetryBudget>,
     /// Ends the discovery stream and the fail-fast watcher with the service.
     stop: Shutdown,
+    /// Set for a service the proxy will not follow: every request gets it.
+    refused: Option<ProxyError>,
 }
 
 impl Drop for Service {
@@ -64,7 +74,30 @@ impl Service {
             queue: Semaphore::new(max_pending),
             stall,
             stop,
+            refused: None,
         }
+    }
+
+    /// A service that is not followed (no discovery stream): its requests
+    /// fail with `error`.
+    pub fn refused(authority: &str, connector: Arc<Connector>, error: ProxyError) -> Self {
+        let (_, rx) = watch::channel(Default::default());
+        Self {
+            budget: Arc::new(crate::retry::RetryBudget::new(Default::default())),
+            authority: authority.into(),
+            balancer: Balancer::new(rx, connector),
+            last_used: Mutex::new(Instant::now()),
+            failfast: watch::channel(false).1,
+            queue: Semaphore::new(0),
+            stall: Stall::default(),
+            stop: Shutdown::default(),
+            refused: Some(error),
+        }
+    }
+
+    /// Whether the control plane refused this authority outright.
+    fn rejected(&self) -> bool {
+        self.balancer.watch().borrow().rejected.is_some()
     }
 
     pub fn retry_budget(&self) -> Arc<crate::retry::RetryBudget> {
@@ -92,6 +125,9 @@ impl Service {
         &self,
         wait: Duration,
     ) -> Result<Vec<Arc<EndpointHandle>>, ProxyError> {
+        if let Some(e) = &self.refused {
+            return Err(e.clone());
+        }
         let deadline = tokio::time::Instant::now() + wait;
         let mut rx = self.balancer.watch();
         let mut failfast = self.failfast.clone();
@@ -103,11 +139,24 @@ impl Service {
                 return Ok(endpoints);
             }
             if resolution.answered && !resolution.exists {
-                return Err(ProxyError::UnknownService(self.authority.to_string()));
+                return Err(ProxyError::UnknownService(match &resolution.rejected {
+                    Some(reason) => format!("{} ({reason})", self.authority),
+                    None => self.authority.to_string(),
+                }));
             }
-            let unreachable = !resolution.answered && resolution.last_error.is_some();
-            if unreachable {
-                return Err(ProxyError::ControlPlaneUnreachable);
+            if !resolution.answered {
+                match &resolution.last_error {
+                    Some(StreamError::TooLarge(detail)) => {
+                        return Err(ProxyError::DiscoveryMessageTooLarge {
+                            authority: self.authority.to_string(),
+                            detail: detail.clone(),
+                        })
+                    }
+                    Some(StreamError::Unreachable(_)) => {
+                        return Err(ProxyError::ControlPlaneUnreachable)
+                    }
+                    None => {}
+                }
             }
             let give_up = || {
                 if resolution.answered {
@@ -135,4 +184,118 @@ impl Service {
             }
         }
     }
+}
+
+/// The services a proxy follows, one discovery subscription each, at most
+/// `limit` at once. Past the limit the least recently used idle service
+/// (no request holds it) makes room; when none is idle, requests for new
+/// authorities are refused with [`ProxyError::DiscoveryLimit`]. Services
+/// the control plane refused outright are dropped as soon as they are idle,
+/// so an undeclared port holds nothing.
+pub struct ServiceCache {
+    services: Mutex<HashMap<String, Arc<Service>>>,
+    limit: usize,
+}
+
+impl ServiceCache {
+    pub fn new(limit: usize) -> Self {
+        Self {
+            services: Mutex::default(),
+            limit: limit.max(1),
+        }
+    }
+
+    /// The service for `authority`, made by `make` when it is not followed
+    /// yet.
+    pub fn get(
+        &self,
+        authority: &str,
+        metrics: &ProxyMetrics,
+        make: impl FnOnce() -> Service,
+    ) -> Result<Arc<Service>, ProxyError> {
+        let mut services = self.services.lock().unwrap();
+        if let Some(svc) = services.get(authority) {
+            *svc.last_used.lock().unwrap() = Instant::now();
+            return Ok(svc.clone());
+        }
+        if services.len() >= self.limit {
+            let victim = services
+                .iter()
+                .filter(|(_, s)| Arc::strong_count(s) == 1)
+                .min_by_key(|(_, s)| (!s.rejected(), *s.last_used.lock().unwrap()))
+                .map(|(a, _)| a.clone());
+            let Some(victim) = victim else {
+                metrics.refuse_outbound("discovery_subscription_limit");
+                return Err(ProxyError::DiscoveryLimit { limit: self.limit });
+            };
+            services.remove(&victim);
+            forget(&victim, "lru", metrics);
+        }
+        let svc = Arc::new(make());
+        services.insert(authority.to_string(), svc.clone());
+        metrics.discovery_subscriptions.set(services.len() as i64);
+        Ok(svc)
+    }
+
+    /// Forgets services nobody has used for [`IDLE_SERVICE`], and idle ones
+    /// the control plane refused; refreshes each one's discovery metrics.
+    pub fn sweep(&self, metrics: &ProxyMetrics) {
+        let mut services = self.services.lock().unwrap();
+        services.retain(|authority, s| {
+            let idle = Arc::strong_count(s) == 1;
+            let drop = if !idle {
+                None
+            } else if s.rejected() {
+                Some("rejected")
+            } else if s.last_used.lock().unwrap().elapsed() >= IDLE_SERVICE {
+                Some("idle")
+            } else {
+                None
+            };
+            if let Some(reason) = drop {
+                forget(authority, reason, metrics);
+                return false;
+            }
+            let labels = AuthorityLabels {
+                authority: authority.clone(),
+            };
+            let age = s.update_age().map_or(-1.0, |a| a.as_secs_f64());
+            metrics.discovery_age.get_or_create(&labels).set(age);
+            let endpoints = s.balancer.watch().borrow().endpoints.len();
+            metrics
+                .discovery_endpoints
+                .get_or_create(&labels)
+                .set(endpoints as i64);
+            true
+        });
+        let len = services.len();
+        if services.capacity() > 64 && len * 4 < services.capacity() {
+            services.shrink_to(len * 2);
+        }
+        metrics.discovery_subscriptions.set(len as i64);
+    }
+
+    pub fn len(&self) -> usize {
+        self.services.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Removes what the metrics say about a service no longer followed.
+fn forget(authority: &str, reason: &str, metrics: &ProxyMetrics) {
+    let labels = AuthorityLabels {
+        authority: authority.to_string(),
+    };
+    metrics.discovery_age.remove(&labels);
+    metrics.discovery_endpoints.remove(&labels);
+    metrics.failfast.remove(&labels);
+    metrics
+        .discovery_evictions
+        .get_or_create(&ReasonLabels {
+            reason: reason.into(),
+        })
+        .inc();
 }
