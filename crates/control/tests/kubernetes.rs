@@ -281,16 +281,28 @@ fn service() -> Service {
     m.annotations = Some(BTreeMap::from([
         ("tether.io/global-id".to_string(), "web-global".to_string()),
         ("tether.io/opaque-ports".to_string(), "5432".to_string()),
+        (
+            "tether.io/multicluster-mode".to_string(),
+            "failover".to_string(),
+        ),
+        ("tether.io/retry-budget".to_string(), "0.5/3".to_string()),
     ]));
     Service {
         metadata: m,
         spec: Some(ServiceSpec {
             cluster_ip: Some("10.96.0.10".into()),
-            ports: Some(vec![ServicePort {
-                name: Some("http".into()),
-                port: 80,
-                ..Default::default()
-            }]),
+            ports: Some(vec![
+                ServicePort {
+                    name: Some("http".into()),
+                    port: 80,
+                    ..Default::default()
+                },
+                ServicePort {
+                    name: Some("db".into()),
+                    port: 5432,
+                    ..Default::default()
+                },
+            ]),
             ..Default::default()
         }),
         ..Default::default()
@@ -320,6 +332,10 @@ fn pod(name: &str) -> Pod {
 
 fn slice(endpoints: &[(&str, &str, bool)]) -> EndpointSlice {
     let mut m = meta("web-abcde");
+    // Changed now: the watch lag is measured from here.
+    m.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        k8s_openapi::jiff::Timestamp::now(),
+    ));
     m.labels = Some(BTreeMap::from([(
         "kubernetes.io/service-name".to_string(),
         "web".to_string(),
@@ -381,7 +397,7 @@ async fn watches_services_slices_and_pods_through_gone_and_dropped_watches() {
     let index = Index::new(metrics.clone());
     let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
     let lag = WatchLag::new_with_constructor(tether_control::metrics::LatencyBuckets);
-    let registry = KubernetesRegistry::new(client, "cluster.local", metrics.clone(), lag);
+    let registry = KubernetesRegistry::new(client, "cluster.local", metrics.clone(), lag.clone());
     let loaded = Arc::new(AtomicBool::new(false));
     let flag = loaded.clone();
     tokio::spawn(registry.run(
@@ -421,6 +437,39 @@ async fn watches_services_slices_and_pods_through_gone_and_dropped_watches() {
     let state = index.service(&ServiceKey::new("web", "demo")).unwrap();
     assert_eq!(state.global_id.as_deref(), Some("web-global"));
     assert_eq!(state.cluster_ip, Some("10.96.0.10".parse().unwrap()));
+    // The other annotations.
+    assert_eq!(
+        state.mode,
+        Some(tether_core::registry::MulticlusterMode::Failover)
+    );
+    assert_eq!(
+        state.retry_budget,
+        Some(tether_core::registry::RetryBudget {
+            ratio: 0.5,
+            min_per_second: 3
+        })
+    );
+    let opaque: BTreeMap<u16, bool> = state.ports.iter().map(|p| (p.port, p.opaque)).collect();
+    assert_eq!(opaque, BTreeMap::from([(80, false), (5432, true)]));
+    let watch_lag = |kind: &str| {
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register("lag", "", lag.clone());
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let samples = tether_core::prom::parse(&text);
+        let get = |name: &str| {
+            samples
+                .iter()
+                .find(|s| s.name == name && s.label("kind") == Some(kind))
+                .map_or(0.0, |s| s.value)
+        };
+        (get("lag_count"), get("lag_sum"))
+    };
+    assert_eq!(
+        watch_lag("EndpointSlice").0,
+        0.0,
+        "a list is not a live change"
+    );
 
     // A change arrives through the watch; readiness comes from conditions.
     api.upsert(
@@ -443,6 +492,10 @@ async fn watches_services_slices_and_pods_through_gone_and_dropped_watches() {
         slice(&[("10.1.0.5", "web-0", true), ("10.1.0.6", "web-1", true)]),
     );
     assert!(eventually(|| index.snapshot(&key, 80).endpoints.len() == 2).await);
+    // Live changes are measured from their change time to their arrival.
+    let (count, sum) = watch_lag("EndpointSlice");
+    assert!(count >= 2.0, "watch lag observed {count} times");
+    assert!((0.0..60.0).contains(&sum), "watch lag sum {sum} s");
 
     // The server drops every watch and compacts its history; meanwhile the
     // endpoint set changes. Resuming fails with 410 Gone, the watcher
