@@ -198,3 +198,33 @@ async fn profiles_and_policies_answer_any_client() {
     assert!(server.protocol.is_some());
     assert_eq!(server.authorizations.len(), 1);
 }
+
+#[tokio::test]
+async fn the_audit_runs_every_audit_interval() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    const INTERVAL: Duration = Duration::from_secs(1);
+    let control = scratch
+        .control_at(
+            "control",
+            "127.0.0.1:0",
+            &["--audit-interval", &INTERVAL.as_secs().to_string()],
+        )
+        .await;
+    let admin = control.addr("admin");
+    let audits = || async {
+        metric_value(
+            &metrics(admin).await,
+            "tether_destination_audits_total",
+            &[],
+        )
+    };
+    // Nobody asks (no GET /audit): three audits come on their own, within
+    // a generous multiple of the interval.
+    assert!(
+        eventually(INTERVAL * 10, || async { audits().await >= 3.0 }).await,
+        "only {} audits in {:?} with a {INTERVAL:?} interval",
+        audits().await,
+        INTERVAL * 10
+    );
+}
