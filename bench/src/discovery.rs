@@ -139,6 +139,7 @@ async fn main() -> anyhow::Result<()> {
                 global_id: None,
                 mode: None,
                 retry_budget: None,
+                response_timeout: None,
                 cluster_ip: None,
                 endpoints: vec![],
             }),

@@ -75,6 +75,7 @@ impl Scratch {
             global_id: None,
             mode: None,
             retry_budget: None,
+            response_timeout: None,
             cluster_ip: None,
             endpoints: vec![],
         });

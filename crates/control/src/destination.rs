@@ -860,6 +860,7 @@ mod tests {
                 global_id: None,
                 mode: None,
                 retry_budget: None,
+                response_timeout: None,
                 cluster_ip: None,
                 endpoints: vec![EndpointSpec::new("127.0.0.1:1".parse().unwrap())],
             }),

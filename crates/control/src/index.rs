@@ -33,6 +33,8 @@ pub struct ServiceState {
     pub global_id: Option<String>,
     pub mode: Option<MulticlusterMode>,
     pub retry_budget: Option<tether_core::registry::RetryBudget>,
+    /// Overrides the proxies' response timeout; zero means none.
+    pub response_timeout: Option<std::time::Duration>,
     pub cluster_ip: Option<std::net::IpAddr>,
     pub endpoints: Vec<EndpointSpec>,
 }
@@ -567,6 +569,7 @@ mod tests {
             global_id: None,
             mode: None,
             retry_budget: None,
+            response_timeout: None,
             cluster_ip: None,
             endpoints,
         }

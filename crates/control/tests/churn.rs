@@ -96,6 +96,7 @@ impl Model {
             global_id: None,
             mode: None,
             retry_budget: None,
+            response_timeout: None,
             cluster_ip: None,
             endpoints: self
                 .endpoints

@@ -9,6 +9,7 @@
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -109,6 +110,11 @@ pub struct ServiceDoc {
     /// Overrides the proxies' retry budget for this service.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_budget: Option<RetryBudget>,
+    /// Overrides the proxies' `--response-timeout` for this service: a
+    /// duration such as `500ms`, `30s`, `5m`; `0` waits as long as the app
+    /// takes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_timeout: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub endpoints: Vec<EndpointSpec>,
 }
@@ -307,6 +313,9 @@ pub fn validate(doc: &Document) -> Result<(), String> {
                 return Err("field `retry_budget.ratio`: must be between 0 and 10".into());
             }
         }
+        if let Some(t) = &s.response_timeout {
+            parse_duration(t).map_err(|e| format!("field `response_timeout`: {e}"))?;
+        }
         for (i, ep) in s.endpoints.iter().enumerate() {
             if let Some(port) = ep.port {
                 if !seen.contains(&port) {
@@ -345,6 +354,42 @@ pub fn validate(doc: &Document) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The longest duration a registry setting may name.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
+
+/// A duration as operators write it: a number and a unit (`500ms`, `1.5s`,
+/// `30s`, `5m`, `1h`), or `0`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    if t == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .ok_or_else(|| format!("{} has no unit (ms, s, m, h)", for_log(text)))?;
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{} is not a duration such as 500ms or 30s", for_log(text)))?;
+    let scale = match unit {
+        "ms" => 0.001,
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        _ => {
+            return Err(format!(
+                "{} has an unknown unit (ms, s, m, h)",
+                for_log(text)
+            ))
+        }
+    };
+    let secs = value * scale;
+    if !(0.0..=MAX_DURATION.as_secs_f64()).contains(&secs) {
+        return Err(format!("{} is longer than 24h", for_log(text)));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 #[cfg(test)]
@@ -548,5 +593,18 @@ endpoints:
     fn empty_file_is_no_documents() {
         assert_eq!(parse_documents("").unwrap(), vec![]);
         assert_eq!(parse_documents("---\n").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn durations_as_operators_write_them() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        for bad in ["", "5", "5d", "-1s", "1e9s", "25h", "s", "1..2s"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        let long = "9".repeat(10_000) + "s";
+        assert!(parse_duration(&long).unwrap_err().len() < 200);
     }
 }

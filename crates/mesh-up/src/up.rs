@@ -323,6 +323,7 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
             global_id: s.global_id.clone(),
             mode: s.mode,
             retry_budget: None,
+            response_timeout: None,
             cluster_ip: None,
             endpoints: vec![],
         });

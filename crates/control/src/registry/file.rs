@@ -454,6 +454,11 @@ impl Loaded {
             global_id: svc.global_id.clone(),
             mode: svc.mode,
             retry_budget: svc.retry_budget,
+            // Validated when the document was read.
+            response_timeout: svc
+                .response_timeout
+                .as_deref()
+                .and_then(|t| tether_core::registry::parse_duration(t).ok()),
             cluster_ip: svc.cluster_ip,
             endpoints,
         });

@@ -39,6 +39,8 @@ pub const GLOBAL_ID: &str = "tether.io/global-id";
 pub const MODE: &str = "tether.io/multicluster-mode";
 pub const OPAQUE_PORTS: &str = "tether.io/opaque-ports";
 pub const RETRY_BUDGET: &str = "tether.io/retry-budget";
+/// A duration (`30s`, `500ms`, `0` for none); an invalid value is ignored.
+pub const RESPONSE_TIMEOUT: &str = "tether.io/response-timeout";
 const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// The container (or native-sidecar init container) that marks a meshed pod.
 pub const PROXY_CONTAINER: &str = "tether-proxy";
@@ -226,6 +228,9 @@ impl World {
                 _ => None,
             },
             retry_budget: ann.get(RETRY_BUDGET).and_then(|v| parse_retry_budget(v)),
+            response_timeout: ann
+                .get(RESPONSE_TIMEOUT)
+                .and_then(|v| tether_core::registry::parse_duration(v).ok()),
             cluster_ip: spec
                 .cluster_ip
                 .as_deref()
