@@ -110,6 +110,7 @@ async fn main() -> anyhow::Result<()> {
             global_id: None,
             mode: None,
             retry_budget: None,
+            response_timeout: None,
             cluster_ip: None,
             endpoints: vec![EndpointSpec::new("127.0.0.1:9".parse()?)],
         }),

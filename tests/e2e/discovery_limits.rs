@@ -27,6 +27,7 @@ fn service_doc(name: &str, ports: &[u16], endpoints: Vec<EndpointSpec>) -> Strin
         global_id: None,
         mode: None,
         retry_budget: None,
+        response_timeout: None,
         cluster_ip: None,
         endpoints,
     })

@@ -519,3 +519,27 @@ async fn a_slowloris_client_is_closed_after_the_header_read_timeout() {
     };
     assert!(closed.await, "a slow header kept the connection open");
 }
+
+#[tokio::test]
+async fn a_service_sets_its_own_response_timeout() {
+    let scratch = Scratch::new();
+    scratch.write(
+        "silent.yaml",
+        &format!(
+            "kind: Service\nname: silent\nnamespace: test\nports: [{{port: 8080}}]\nresponse_timeout: 500ms\nendpoints: [{{address: \"{}\", meshed: false}}]\n",
+            silent_app().await
+        ),
+    );
+    let control = scratch.control().await;
+    let client = scratch
+        .proxy(
+            "client",
+            control.addr("grpc"),
+            None,
+            &["--response-timeout", "60"],
+        )
+        .await;
+    let a = get(client.addr("outbound"), &authority("silent", 8080)).await;
+    assert_eq!(a.status, 504, "{}", a.body);
+    assert_eq!(a.proxy_error(), Some("response timeout after 500ms"));
+}

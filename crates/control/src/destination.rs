@@ -23,9 +23,9 @@ use std::sync::{Arc, Mutex};
 
 use futures::{Stream, StreamExt};
 use linkerd2_proxy_api::destination::{
-    self as api, destination_server::Destination, protocol_hint, tls_identity, update,
-    DestinationProfile, GetDestination, ProtocolHint, RetryBudget, TlsIdentity, Update,
-    WeightedAddr, WeightedAddrSet,
+    self as api, destination_server::Destination, protocol_hint, request_match, tls_identity,
+    update, DestinationProfile, GetDestination, PathMatch, ProtocolHint, RequestMatch, RetryBudget,
+    Route, TlsIdentity, Update, WeightedAddr, WeightedAddrSet,
 };
 use linkerd2_proxy_api::net::TcpAddress;
 use tether_admin::Shutdown;
@@ -614,6 +614,7 @@ impl DestinationService {
         let auth = parse_service_authority(path, &self.cluster_domain)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         self.check_port(&auth.service, auth.port)?;
+        let service = self.index.service(&auth.service);
         Ok(DestinationProfile {
             fully_qualified_name: auth.service.fqdn(&self.cluster_domain),
             opaque_protocol: self
@@ -621,9 +622,8 @@ impl DestinationService {
                 .snapshot(&SlotKey::Service(auth.service.clone()), auth.port)
                 .opaque,
             // Only a registry override: without it proxies use their own default.
-            retry_budget: self
-                .index
-                .service(&auth.service)
+            retry_budget: service
+                .as_ref()
                 .and_then(|s| s.retry_budget)
                 .map(|b| RetryBudget {
                     retry_ratio: b.ratio,
@@ -633,6 +633,11 @@ impl DestinationService {
                         nanos: 0,
                     }),
                 }),
+            routes: service
+                .as_ref()
+                .and_then(|s| s.response_timeout)
+                .map(|t| vec![default_route(t)])
+                .unwrap_or_default(),
             ..Default::default()
         })
     }
@@ -679,6 +684,19 @@ impl Destination for DestinationService {
     ) -> Result<Response<Self::GetProfileStream>, Status> {
         let profile = self.profile_for(&req.into_inner().path)?;
         Ok(Response::new(one_then_hold(profile, self.shutdown.clone())))
+    }
+}
+
+/// The route a service's `response_timeout` travels in: every path, with
+/// the timeout (zero: none, for Tether's proxy), labelled `route=default`.
+fn default_route(timeout: std::time::Duration) -> Route {
+    Route {
+        condition: Some(RequestMatch {
+            r#match: Some(request_match::Match::Path(PathMatch { regex: ".*".into() })),
+        }),
+        metrics_labels: [("route".to_string(), "default".to_string())].into(),
+        timeout: prost_types::Duration::try_from(timeout).ok(),
+        ..Default::default()
     }
 }
 
@@ -912,6 +930,7 @@ mod tests {
             global_id: None,
             mode: None,
             retry_budget: None,
+            response_timeout: None,
             cluster_ip: None,
             endpoints: vec![tether_core::registry::EndpointSpec::new(
                 "127.0.0.1:1".parse().unwrap(),
@@ -1023,6 +1042,36 @@ mod tests {
         // Declared ports and unknown services still get streams.
         assert!(dst.get(get("web.demo.svc.cluster.local:80")).await.is_ok());
         assert!(dst.get(get("nope.demo.svc.cluster.local:81")).await.is_ok());
+    }
+
+    #[test]
+    fn a_response_timeout_travels_as_a_route_for_every_path() {
+        let dst = service_with(Subscriptions::default());
+        let profile = dst.profile_for("web.demo.svc.cluster.local:80").unwrap();
+        assert!(profile.routes.is_empty(), "no override, no route");
+        let mut web = web_service();
+        web.response_timeout = Some(std::time::Duration::from_millis(1500));
+        dst.index
+            .set_service(&ServiceKey::new("web", "demo"), Some(web));
+        let profile = dst.profile_for("web.demo.svc.cluster.local:80").unwrap();
+        let [route] = &profile.routes[..] else {
+            panic!("{:?}", profile.routes)
+        };
+        assert_eq!(
+            route.condition,
+            Some(RequestMatch {
+                r#match: Some(request_match::Match::Path(PathMatch { regex: ".*".into() }))
+            })
+        );
+        assert_eq!(
+            route.timeout,
+            Some(prost_types::Duration {
+                seconds: 1,
+                nanos: 500_000_000
+            })
+        );
+        assert_eq!(route.metrics_labels["route"], "default");
+        assert!(!route.is_retryable && route.response_classes.is_empty());
     }
 
     #[test]

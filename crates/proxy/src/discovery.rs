@@ -303,12 +303,14 @@ impl Discovery {
     }
 
     /// Follows `authority`'s profile and applies its retry budget (the
-    /// registry's per-service override) to `budget`; `default` otherwise.
+    /// registry's per-service override) to `budget`, `default` otherwise,
+    /// and its response timeout to `response_timeout`.
     pub fn watch_profile(
         &self,
         authority: &str,
         budget: Arc<crate::retry::RetryBudget>,
         default: crate::retry::BudgetSpec,
+        response_timeout: watch::Sender<Option<Duration>>,
         stop: Shutdown,
     ) {
         let (controls, authority) = (self.controls.clone(), authority.to_string());
@@ -345,6 +347,7 @@ impl Discovery {
                             None => default,
                         };
                         budget.set_spec(spec);
+                        response_timeout.send_replace(profile_response_timeout(&profile));
                     }
                     Ok::<(), String>(())
                 };
@@ -636,6 +639,24 @@ fn apply(
         r.rejected = None;
         r.last_update = Some(Instant::now());
     });
+}
+
+/// A service's response timeout, as the control plane sends it: the
+/// timeout of a route matching every path (`.*`). Zero means none.
+fn profile_response_timeout(
+    profile: &linkerd2_proxy_api::destination::DestinationProfile,
+) -> Option<Duration> {
+    use linkerd2_proxy_api::destination::request_match::Match;
+    profile.routes.iter().find_map(|route| {
+        let everything = matches!(
+            route.condition.as_ref().and_then(|c| c.r#match.as_ref()),
+            Some(Match::Path(p)) if p.regex == ".*"
+        );
+        route
+            .timeout
+            .filter(|_| everything)
+            .and_then(|t| Duration::try_from(t).ok())
+    })
 }
 
 #[cfg(test)]

@@ -23,9 +23,10 @@ use tether_admin::{Readiness, Shutdown};
 use tether_core::log_limit::LogLimit;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 
 use self::forward::{Forwarder, Unavailable};
-use self::service::{Service, ServiceCache};
+use self::service::{effective_timeout, Service, ServiceCache};
 use crate::balance::{pick, EndpointHandle};
 use crate::client::{EndpointClient, Proto};
 use crate::detect::{detect, PrefixedIo, Protocol, Unrecognized, OPAQUE_PREFACE};
@@ -336,15 +337,10 @@ impl Outbound {
         };
         let (label, result) = match authority {
             Ok(authority) => {
-                let routed = self.route(&authority, req, absolute);
-                // Until response headers; a body that streams afterwards
-                // is never cut.
-                let result = match self.response_timeout {
-                    Some(limit) => tokio::time::timeout(limit, routed)
-                        .await
-                        .unwrap_or(Err(ProxyError::ResponseTimeout(limit))),
-                    None => routed.await,
-                };
+                let svc = self.service(&authority);
+                let profile = svc.response_timeout();
+                let routed = self.route(svc, &authority, req, absolute);
+                let result = self.within_response_timeout(routed, profile, start).await;
                 (authority, result)
             }
             Err(e) => ("".to_string(), Err(e)),
@@ -357,13 +353,43 @@ impl Outbound {
             .record_response(rsp, "outbound", label, start.elapsed(), hop)
     }
 
+    /// Bounds the time to response headers, from the request's start, by
+    /// the service's timeout — re-read when the profile arrives after the
+    /// request started. A body that streams afterwards is never cut.
+    async fn within_response_timeout<F>(
+        &self,
+        routed: F,
+        mut profile: watch::Receiver<Option<Duration>>,
+        start: Instant,
+    ) -> Result<(Response<Body>, Hop), ProxyError>
+    where
+        F: std::future::Future<Output = Result<(Response<Body>, Hop), ProxyError>>,
+    {
+        tokio::pin!(routed);
+        let mut profile_open = true;
+        loop {
+            let limit = effective_timeout(*profile.borrow_and_update(), self.response_timeout);
+            let expired = async {
+                match limit {
+                    Some(l) => tokio::time::sleep_until((start + l).into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                result = &mut routed => return result,
+                _ = expired => return Err(ProxyError::ResponseTimeout(limit.unwrap_or_default())),
+                changed = profile.changed(), if profile_open => profile_open = changed.is_ok(),
+            }
+        }
+    }
+
     async fn route(
         &self,
+        svc: Arc<Service>,
         authority: &str,
         req: Request<Incoming>,
         absolute: bool,
     ) -> Result<(Response<Body>, Hop), ProxyError> {
-        let svc = self.service(authority);
         let mut endpoints = match svc.ready_endpoints(self.failfast_timeout).await {
             Ok(eps) => eps,
             Err(e @ (ProxyError::ControlPlaneUnreachable | ProxyError::UnknownService(_)))

@@ -31,6 +31,8 @@ pub struct Service {
     queue: Semaphore,
     stall: Stall,
     budget: Arc<crate::retry::RetryBudget>,
+    /// The profile's response timeout (zero: none), overriding the proxy's.
+    response_timeout: watch::Sender<Option<Duration>>,
     /// Ends the discovery stream and the fail-fast watcher with the service.
     stop: Shutdown,
     /// Set for a service the proxy will not follow: every request gets it.
@@ -64,9 +66,17 @@ impl Service {
             stop.clone(),
         );
         let budget = Arc::new(crate::retry::RetryBudget::new(retry_budget));
-        discovery.watch_profile(authority, budget.clone(), retry_budget, stop.clone());
+        let response_timeout = watch::Sender::new(None);
+        discovery.watch_profile(
+            authority,
+            budget.clone(),
+            retry_budget,
+            response_timeout.clone(),
+            stop.clone(),
+        );
         Self {
             budget,
+            response_timeout,
             authority: authority.into(),
             balancer: Balancer::new(rx, connector),
             last_used: Mutex::new(Instant::now()),
@@ -84,6 +94,7 @@ impl Service {
         let (_, rx) = watch::channel(Default::default());
         Self {
             budget: Arc::new(crate::retry::RetryBudget::new(Default::default())),
+            response_timeout: watch::Sender::new(None),
             authority: authority.into(),
             balancer: Balancer::new(rx, connector),
             last_used: Mutex::new(Instant::now()),
@@ -102,6 +113,12 @@ impl Service {
 
     pub fn retry_budget(&self) -> Arc<crate::retry::RetryBudget> {
         self.budget.clone()
+    }
+
+    /// The profile's response timeout as it arrives (it may come after a
+    /// request started); see [`effective_timeout`].
+    pub fn response_timeout(&self) -> watch::Receiver<Option<Duration>> {
+        self.response_timeout.subscribe()
     }
 
     /// Tells discovery that every endpoint it gave is failing.
@@ -298,4 +315,14 @@ fn forget(authority: &str, reason: &str, metrics: &ProxyMetrics) {
             reason: reason.into(),
         })
         .inc();
+}
+
+/// A profile's response timeout if it sets one, else `default`; `None`
+/// waits as long as the app takes (a profile's zero).
+pub fn effective_timeout(profile: Option<Duration>, default: Option<Duration>) -> Option<Duration> {
+    match profile {
+        Some(t) if t.is_zero() => None,
+        Some(t) => Some(t),
+        None => default,
+    }
 }
