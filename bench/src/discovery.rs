@@ -9,6 +9,8 @@
 //! Usage: bench/discovery.sh [--endpoints N] [--services S] [--subscribers M]
 //!                           [--churn R] [--seconds T]
 
+#![forbid(unsafe_code)]
+
 use std::collections::VecDeque;
 use std::io::BufRead;
 use std::net::{Ipv4Addr, SocketAddr};

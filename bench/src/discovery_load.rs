@@ -7,6 +7,8 @@
 //! subscriber's final endpoint set (counted per authority and digest) so
 //! the driver can check that every subscriber converged on the registry.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -7,6 +7,8 @@
 //!
 //! Usage: bench/failover.sh [--rps 200] [--crash-at 3] [--detect 0.5] [--seconds 8]
 
+#![forbid(unsafe_code)]
+
 use std::process::Command;
 
 use anyhow::{bail, Context};

@@ -1,6 +1,8 @@
 //! What the benchmarks share: reading a process's CPU time and memory, and
 //! a digest of an endpoint set that two processes compute alike.
 
+#![forbid(unsafe_code)]
+
 /// A process's CPU time (user + system) and memory, from `/proc`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ProcUsage {

@@ -10,6 +10,8 @@
 //!
 //! Usage: bench/proxy-latency.sh [--rate R] [--seconds S] [--concurrency C]
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -11,6 +11,8 @@
 //! Prints RSS in MiB and the after/before ratios. Usage:
 //! bench/stream-memory.sh [--streams N] [--ports P]
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

@@ -2,6 +2,8 @@
 //! the OS. One file per behaviour; `support` starts processes and speaks
 //! HTTP.
 
+#![forbid(unsafe_code)]
+
 mod support;
 
 mod balancing;

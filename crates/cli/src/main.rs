@@ -1,6 +1,8 @@
 //! The `tether` binary: parses arguments and wires the library crates
 //! together. No logic lives here.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

@@ -12,6 +12,8 @@
 //! - [`prom`]: a small reader of the Prometheus text format, for the operator
 //!   tools that scrape Tether's own admin endpoints.
 
+#![forbid(unsafe_code)]
+
 pub mod authority;
 pub mod log_limit;
 pub mod prom;

@@ -14,6 +14,8 @@
 //! Identities are DNS-like names:
 //! `<account>.<namespace>.serviceaccount.identity.<trust-domain>`.
 
+#![forbid(unsafe_code)]
+
 pub mod ca;
 pub mod cert;
 pub mod csr;

@@ -37,7 +37,9 @@ impl Process {
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log_file))
             .kill_on_drop(true);
-        // SAFETY: prctl is async-signal-safe and touches no memory of ours.
+        // SAFETY: the closure runs in the forked child before exec, where
+        // only async-signal-safe calls are allowed: prctl is one, and the
+        // closure neither allocates nor takes locks.
         unsafe {
             cmd.pre_exec(|| {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
@@ -92,7 +94,8 @@ impl Process {
     /// SIGTERM, then SIGKILL if it has not exited within `grace`.
     pub async fn stop(&mut self, grace: Duration) -> Option<std::process::ExitStatus> {
         if let Some(pid) = self.child.id() {
-            // SAFETY: sending a signal to our own child.
+            // SAFETY: kill(2) touches no memory of ours; `id()` is Some only
+            // while the child is not yet reaped, so the pid is still ours.
             unsafe {
                 libc::kill(pid as i32, libc::SIGTERM);
             }

@@ -7,6 +7,8 @@
 //! - [`kube`]: `tether install` and `tether inject`, Kubernetes manifests.
 //! - [`init`]: `tether init`, the iptables rules of transparent interception.
 
+#![forbid(unsafe_code)]
+
 pub mod check;
 pub mod diagnostics;
 pub mod init;

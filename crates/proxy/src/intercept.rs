@@ -10,9 +10,12 @@ use tokio::net::TcpStream;
 /// The destination the client dialled, if the connection was redirected
 /// (IPv4 only, as `iptables` redirects).
 pub fn original_dst(stream: &TcpStream) -> Option<SocketAddr> {
+    // SAFETY: sockaddr_in is plain integers, for which all-zero bytes are a
+    // valid value.
     let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: a valid socket and a buffer of the size we pass.
+    // SAFETY: the fd is an open socket borrowed from `stream` for the call,
+    // and the kernel writes at most `len` bytes, the size of `addr`.
     let rc = unsafe {
         libc::getsockopt(
             stream.as_raw_fd(),
