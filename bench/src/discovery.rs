@@ -131,20 +131,7 @@ async fn main() -> anyhow::Result<()> {
         write_document(
             &registry,
             &format!("{name}.yaml"),
-            &Document::Service(ServiceDoc {
-                name: name.clone(),
-                namespace: "bench".into(),
-                ports: vec![PortSpec {
-                    port: 80,
-                    opaque: false,
-                }],
-                global_id: None,
-                mode: None,
-                retry_budget: None,
-                response_timeout: None,
-                cluster_ip: None,
-                endpoints: vec![],
-            }),
+            &Document::Service(ServiceDoc::new(&name, "bench", vec![PortSpec::http(80)])),
         )?;
         let endpoints = (0..per_service.max(1))
             .map(|_| {

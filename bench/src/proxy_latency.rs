@@ -120,20 +120,7 @@ async fn main() -> anyhow::Result<()> {
         write_document(
             &registry,
             &format!("{name}.yaml"),
-            &Document::Service(ServiceDoc {
-                name: s(name),
-                namespace: s("bench"),
-                ports: vec![PortSpec {
-                    port: 8080,
-                    opaque: false,
-                }],
-                global_id: None,
-                mode: None,
-                retry_budget: None,
-                response_timeout: None,
-                cluster_ip: None,
-                endpoints: vec![],
-            }),
+            &Document::Service(ServiceDoc::new(name, "bench", vec![PortSpec::http(8080)])),
         )?;
     }
     let app = Process::spawn(

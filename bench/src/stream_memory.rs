@@ -102,20 +102,10 @@ async fn main() -> anyhow::Result<()> {
     write_document(
         &registry,
         "web.yaml",
-        &Document::Service(ServiceDoc {
-            name: "web".into(),
-            namespace: "bench".into(),
-            ports: vec![PortSpec {
-                port: 8080,
-                opaque: false,
-            }],
-            global_id: None,
-            mode: None,
-            retry_budget: None,
-            response_timeout: None,
-            cluster_ip: None,
-            endpoints: vec![EndpointSpec::new("127.0.0.1:9".parse()?)],
-        }),
+        &Document::Service(
+            ServiceDoc::new("web", "bench", vec![PortSpec::http(8080)])
+                .with_endpoints(vec![EndpointSpec::new("127.0.0.1:9".parse()?)]),
+        ),
     )?;
     let s = |v: &str| v.to_string();
     let control = Process::spawn(

@@ -14,24 +14,8 @@ use tether_core::registry::{Document, EndpointSpec, EndpointsDoc, PortSpec, Serv
 use crate::support::*;
 
 fn service_doc(name: &str, ports: &[u16], endpoints: Vec<EndpointSpec>) -> String {
-    Document::Service(ServiceDoc {
-        name: name.into(),
-        namespace: "test".into(),
-        ports: ports
-            .iter()
-            .map(|&port| PortSpec {
-                port,
-                opaque: false,
-            })
-            .collect(),
-        global_id: None,
-        mode: None,
-        retry_budget: None,
-        response_timeout: None,
-        cluster_ip: None,
-        endpoints,
-    })
-    .to_yaml()
+    let ports = ports.iter().map(|&port| PortSpec::http(port)).collect();
+    Document::Service(ServiceDoc::new(name, "test", ports).with_endpoints(endpoints)).to_yaml()
 }
 
 /// The `i`-th of many distinct loopback addresses (127.16.0.0 upwards), all

@@ -68,17 +68,11 @@ impl Scratch {
     }
 
     pub fn service(&self, name: &str, port: u16, opaque: bool) {
-        let doc = Document::Service(ServiceDoc {
-            name: name.into(),
-            namespace: "test".into(),
-            ports: vec![PortSpec { port, opaque }],
-            global_id: None,
-            mode: None,
-            retry_budget: None,
-            response_timeout: None,
-            cluster_ip: None,
-            endpoints: vec![],
-        });
+        let doc = Document::Service(ServiceDoc::new(
+            name,
+            "test",
+            vec![PortSpec { port, opaque }],
+        ));
         self.write(&format!("{name}.yaml"), &doc.to_yaml());
     }
 

@@ -870,18 +870,10 @@ mod tests {
         let key = ServiceKey::new("web", "demo");
         index.set_service(
             &key,
-            Some(ServiceState {
-                ports: vec![PortSpec {
-                    port: 80,
-                    opaque: false,
-                }],
-                global_id: None,
-                mode: None,
-                retry_budget: None,
-                response_timeout: None,
-                cluster_ip: None,
-                endpoints: vec![EndpointSpec::new("127.0.0.1:1".parse().unwrap())],
-            }),
+            Some(
+                ServiceState::new(vec![PortSpec::http(80)])
+                    .with_endpoints(vec![EndpointSpec::new("127.0.0.1:1".parse().unwrap())]),
+            ),
         );
         let subscriptions = Subscriptions::default();
         let dst = DestinationService {
@@ -922,20 +914,10 @@ mod tests {
     }
 
     fn web_service() -> crate::index::ServiceState {
-        crate::index::ServiceState {
-            ports: vec![tether_core::registry::PortSpec {
-                port: 80,
-                opaque: false,
-            }],
-            global_id: None,
-            mode: None,
-            retry_budget: None,
-            response_timeout: None,
-            cluster_ip: None,
-            endpoints: vec![tether_core::registry::EndpointSpec::new(
+        crate::index::ServiceState::new(vec![tether_core::registry::PortSpec::http(80)])
+            .with_endpoints(vec![tether_core::registry::EndpointSpec::new(
                 "127.0.0.1:1".parse().unwrap(),
-            )],
-        }
+            )])
     }
 
     fn service_with(subscriptions: Subscriptions) -> DestinationService {

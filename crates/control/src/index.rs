@@ -39,6 +39,27 @@ pub struct ServiceState {
     pub endpoints: Vec<EndpointSpec>,
 }
 
+impl ServiceState {
+    /// A local service on `ports` with no endpoints and no overrides; set
+    /// the public fields for the rest.
+    pub fn new(ports: Vec<PortSpec>) -> Self {
+        Self {
+            ports,
+            global_id: None,
+            mode: None,
+            retry_budget: None,
+            response_timeout: None,
+            cluster_ip: None,
+            endpoints: Vec::new(),
+        }
+    }
+
+    pub fn with_endpoints(mut self, endpoints: Vec<EndpointSpec>) -> Self {
+        self.endpoints = endpoints;
+        self
+    }
+}
+
 /// What a subscriber to one (service, port) is told about an endpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointMeta {
@@ -561,18 +582,7 @@ mod tests {
     }
 
     fn service(endpoints: Vec<EndpointSpec>) -> ServiceState {
-        ServiceState {
-            ports: vec![PortSpec {
-                port: 80,
-                opaque: false,
-            }],
-            global_id: None,
-            mode: None,
-            retry_budget: None,
-            response_timeout: None,
-            cluster_ip: None,
-            endpoints,
-        }
+        ServiceState::new(vec![PortSpec::http(80)]).with_endpoints(endpoints)
     }
 
     #[test]

@@ -88,26 +88,18 @@ impl Model {
     }
 
     fn state(&self, s: u8) -> Option<ServiceState> {
-        self.exists.contains(&s).then(|| ServiceState {
-            ports: vec![PortSpec {
-                port: 80,
-                opaque: false,
-            }],
-            global_id: None,
-            mode: None,
-            retry_budget: None,
-            response_timeout: None,
-            cluster_ip: None,
-            endpoints: self
-                .endpoints
-                .get(&s)
-                .into_iter()
-                .flatten()
-                .map(|(e, ready)| EndpointSpec {
-                    ready: *ready,
-                    ..EndpointSpec::new(addr(s, *e))
-                })
-                .collect(),
+        self.exists.contains(&s).then(|| {
+            ServiceState::new(vec![PortSpec::http(80)]).with_endpoints(
+                self.endpoints
+                    .get(&s)
+                    .into_iter()
+                    .flatten()
+                    .map(|(e, ready)| EndpointSpec {
+                        ready: *ready,
+                        ..EndpointSpec::new(addr(s, *e))
+                    })
+                    .collect(),
+            )
         })
     }
 

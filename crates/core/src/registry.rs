@@ -35,6 +35,16 @@ pub struct PortSpec {
     pub opaque: bool,
 }
 
+impl PortSpec {
+    /// A port carrying HTTP (or gRPC): detected and routed per request.
+    pub fn http(port: u16) -> Self {
+        Self {
+            port,
+            opaque: false,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EndpointSpec {
@@ -117,6 +127,34 @@ pub struct ServiceDoc {
     pub response_timeout: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub endpoints: Vec<EndpointSpec>,
+}
+
+impl ServiceDoc {
+    /// A service with a document's defaults: no global id, mode, cluster
+    /// IP, retry budget, response timeout or endpoints of its own. Set the
+    /// public fields for the rest, so adding a field changes this one place.
+    pub fn new(
+        name: impl Into<String>,
+        namespace: impl Into<String>,
+        ports: Vec<PortSpec>,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            namespace: namespace.into(),
+            ports,
+            global_id: None,
+            mode: None,
+            cluster_ip: None,
+            retry_budget: None,
+            response_timeout: None,
+            endpoints: Vec::new(),
+        }
+    }
+
+    pub fn with_endpoints(mut self, endpoints: Vec<EndpointSpec>) -> Self {
+        self.endpoints = endpoints;
+        self
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]

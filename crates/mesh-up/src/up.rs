@@ -314,18 +314,9 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
     std::fs::create_dir_all(&registry)?;
     for s in &spec.services {
         let doc = Document::Service(ServiceDoc {
-            name: s.name.clone(),
-            namespace: s.namespace(m).to_string(),
-            ports: vec![PortSpec {
-                port: s.port,
-                opaque: false,
-            }],
             global_id: s.global_id.clone(),
             mode: s.mode,
-            retry_budget: None,
-            response_timeout: None,
-            cluster_ip: None,
-            endpoints: vec![],
+            ..ServiceDoc::new(&s.name, s.namespace(m), vec![PortSpec::http(s.port)])
         });
         write_document(
             &registry,
