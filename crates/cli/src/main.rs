@@ -587,34 +587,41 @@ async fn main() -> anyhow::Result<()> {
                 }
                 _ => None,
             };
+            let discovery = tether_proxy::discovery::DiscoverySettings {
+                first_answer_timeout: discovery_first_answer_timeout,
+            };
             let config = tether_proxy::ProxyConfig {
-                control,
-                outbound,
-                inbound,
-                admin,
-                app,
-                inbound_opaque,
-                upstreams: upstream,
-                failfast_timeout,
-                connect_timeout,
-                drain_timeout,
-                identity,
-                tls_mode: tls,
-                control_plane_unavailable,
-                max_pending,
-                require_discovery,
-                retry_budget: tether_proxy::retry::BudgetSpec {
-                    ratio: retry_budget_ratio,
-                    min_per_second: retry_budget_min_per_second,
-                    ttl: Duration::from_secs(10),
+                bootstrap: tether_proxy::bootstrap::BootstrapConfig {
+                    control,
+                    admin,
+                    identity,
+                    tls_mode: tls,
+                    connect_timeout,
+                    drain_timeout,
+                    discovery,
+                    serve: serve.serve_config(),
                 },
-                serve: serve.serve_config(),
-                response_timeout: serve.response_timeout(),
-                discovery: tether_proxy::discovery::DiscoverySettings {
+                outbound_listen: outbound,
+                upstreams: upstream,
+                require_discovery,
+                outbound: tether_proxy::outbound::OutboundConfig {
+                    failfast_timeout,
+                    max_pending,
+                    control_plane_unavailable,
+                    retry_budget: tether_proxy::retry::BudgetSpec {
+                        ratio: retry_budget_ratio,
+                        min_per_second: retry_budget_min_per_second,
+                        ttl: Duration::from_secs(10),
+                    },
+                    response_timeout: serve.response_timeout(),
                     max_subscriptions: usize::try_from(max_discovery_subscriptions)
                         .unwrap_or(usize::MAX),
-                    first_answer_timeout: discovery_first_answer_timeout,
                 },
+                inbound: app.map(|app| tether_proxy::inbound::InboundConfig {
+                    listen: inbound,
+                    app,
+                    opaque: inbound_opaque,
+                }),
             };
             tether_proxy::run(config, shutdown).await?;
         }
@@ -632,16 +639,25 @@ async fn main() -> anyhow::Result<()> {
             serve,
         } => {
             let config = tether_proxy::gateway::GatewayConfig {
-                control,
+                bootstrap: tether_proxy::bootstrap::BootstrapConfig {
+                    control,
+                    admin,
+                    identity: Some(identity_config(identity, identity_token_file, trust_root)?),
+                    tls_mode: tether_proxy::tls::TlsMode::Mandatory,
+                    connect_timeout,
+                    drain_timeout,
+                    discovery: Default::default(),
+                    serve: serve.serve_config(),
+                },
                 listen,
-                admin,
-                identity: identity_config(identity, identity_token_file, trust_root)?,
                 trust_domain,
-                failfast_timeout,
-                connect_timeout,
-                drain_timeout,
-                serve: serve.serve_config(),
-                response_timeout: serve.response_timeout(),
+                outbound: tether_proxy::outbound::OutboundConfig {
+                    failfast_timeout,
+                    // Requests from a whole remote cluster may wait here.
+                    max_pending: 1000,
+                    response_timeout: serve.response_timeout(),
+                    ..Default::default()
+                },
             };
             tether_proxy::gateway::run(config, shutdown).await?;
         }

@@ -16,19 +16,12 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpStream;
 
-use crate::http::Body;
+use crate::http::{Body, Proto};
 use crate::tls::Connector;
 
 /// Idle HTTP/1 connections kept per endpoint.
 const MAX_IDLE_H1: usize = 32;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Proto {
-    Http1,
-    Http2,
-}
 
 type H2 = (http2::SendRequest<Body>, bool);
 type H1Pool = Arc<Mutex<Vec<(http1::SendRequest<Body>, bool)>>>;
@@ -81,15 +74,6 @@ impl Connection {
             }
         }
     }
-}
-
-pub async fn connect_tcp(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, String> {
-    let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
-        .await
-        .map_err(|_| format!("connect timed out after {timeout:?}"))?
-        .map_err(|e| e.to_string())?;
-    let _ = stream.set_nodelay(true);
-    Ok(stream)
 }
 
 impl EndpointClient {

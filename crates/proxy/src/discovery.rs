@@ -266,8 +266,6 @@ pub const DEFAULT_FIRST_ANSWER_TIMEOUT: Duration = Duration::from_secs(1);
 /// What discovery may hold and wait for.
 #[derive(Clone, Copy, Debug)]
 pub struct DiscoverySettings {
-    /// Authorities followed at once (`--max-discovery-subscriptions`).
-    pub max_subscriptions: usize,
     /// See [`Discovery::with_first_answer_timeout`].
     pub first_answer_timeout: Duration,
 }
@@ -275,7 +273,6 @@ pub struct DiscoverySettings {
 impl Default for DiscoverySettings {
     fn default() -> Self {
         Self {
-            max_subscriptions: crate::outbound::service::DEFAULT_MAX_SERVICES,
             first_answer_timeout: DEFAULT_FIRST_ANSWER_TIMEOUT,
         }
     }

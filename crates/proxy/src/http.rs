@@ -7,6 +7,13 @@ use http_body_util::{combinators::BoxBody, BodyExt, Full};
 
 use crate::errors::ProxyError;
 
+/// The HTTP version of one hop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proto {
+    Http1,
+    Http2,
+}
+
 /// The body type inside the proxy: whatever came in, or a response the
 /// proxy made itself.
 pub type Body = BoxBody<Bytes, hyper::Error>;
@@ -145,7 +152,7 @@ pub fn rewrite_for_hop(
     mut parts: http::request::Parts,
     body: Body,
     authority: &str,
-    hop: crate::client::Proto,
+    hop: Proto,
     carry_http1: bool,
 ) -> http::Request<Body> {
     let pq = parts
@@ -154,7 +161,7 @@ pub fn rewrite_for_hop(
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "/".into());
     match hop {
-        crate::client::Proto::Http2 => {
+        Proto::Http2 => {
             if let Ok(uri) = format!("http://{authority}{pq}").parse() {
                 parts.uri = uri;
             }
@@ -166,7 +173,7 @@ pub fn rewrite_for_hop(
             }
             parts.version = http::Version::HTTP_2;
         }
-        crate::client::Proto::Http1 => {
+        Proto::Http1 => {
             if let Ok(uri) = pq.parse() {
                 parts.uri = uri;
             }

@@ -27,9 +27,10 @@ use tether_core::log_limit::LogLimit;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::client::{EndpointClient, Proto};
+use crate::client::EndpointClient;
 use crate::detect::{self, detect, PrefixedIo, Protocol, Unrecognized};
 use crate::errors::ProxyError;
+use crate::http::Proto;
 use crate::http::{
     error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
     strip_mesh_asserted, Body, CLIENT_ID, ORIG_PROTO, PROXY_ERROR,
@@ -37,7 +38,6 @@ use crate::http::{
 use crate::metrics::{Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
 use crate::tls::{BoxedIo, Connector, TlsMode};
-use crate::ProxyConfig;
 
 /// How long a client may take to send its first bytes (and, on a
 /// declared-opaque port, before it counts as waiting for the app to speak).
@@ -75,6 +75,18 @@ impl std::fmt::Display for Refusal {
     }
 }
 
+/// The inbound side of a sidecar.
+#[derive(Clone, Debug)]
+pub struct InboundConfig {
+    /// Where peer proxies (or any client) connect.
+    pub listen: SocketAddr,
+    /// The local app.
+    pub app: SocketAddr,
+    /// The app's port is declared opaque: TCP is forwarded as is, without
+    /// detection. Otherwise only HTTP is forwarded and the rest refused.
+    pub opaque: bool,
+}
+
 pub struct Inbound {
     app: SocketAddr,
     client: EndpointClient,
@@ -89,20 +101,21 @@ pub struct Inbound {
 
 impl Inbound {
     pub fn new(
-        app: SocketAddr,
+        config: &InboundConfig,
         metrics: ProxyMetrics,
-        config: &ProxyConfig,
+        connect_timeout: Duration,
         tls: Option<Arc<ServerConfig>>,
+        mode: TlsMode,
     ) -> Self {
-        let connector = Connector::plain(config.connect_timeout);
+        let connector = Connector::plain(connect_timeout);
         Self {
-            app,
-            client: EndpointClient::new(app, None, connector.clone()),
+            app: config.app,
+            client: EndpointClient::new(config.app, None, connector.clone()),
             connector,
             metrics,
             tls,
-            mode: config.tls_mode,
-            opaque: config.inbound_opaque,
+            mode,
+            opaque: config.opaque,
         }
     }
 

@@ -16,8 +16,6 @@ use rustls::ClientConfig;
 use tether_identity::tls::{explain, CertStore};
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use crate::client::connect_tcp;
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum TlsMode {
     /// Accept plaintext and TLS; use TLS whenever both sides can.
@@ -148,6 +146,19 @@ impl Connector {
 
 /// Terminates TLS on an accepted connection whose first bytes (`prefix`)
 /// were already read; returns the stream and the client's verified identity.
+/// A TCP connection to `addr`, within `timeout`, without Nagle's delay.
+pub async fn connect_tcp(
+    addr: std::net::SocketAddr,
+    timeout: std::time::Duration,
+) -> Result<tokio::net::TcpStream, String> {
+    let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr))
+        .await
+        .map_err(|_| format!("connect timed out after {timeout:?}"))?
+        .map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    Ok(stream)
+}
+
 /// How long a client may take to complete a TLS handshake.
 pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 

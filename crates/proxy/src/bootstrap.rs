@@ -1,0 +1,140 @@
+//! What the sidecar and the gateway both do at start-up: resolve the
+//! control-plane list, set up metrics and readiness, build the TLS
+//! connector and server config from the identity, bind the admin listener,
+//! and — once the process has registered every readiness condition — serve
+//! admin and keep the certificate renewed.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::registry::Registry;
+use rustls::ServerConfig;
+use tether_admin::{bind, Admin, Readiness, Shutdown};
+use tether_identity::tls::CertStore;
+use tokio::net::TcpListener;
+
+use crate::discovery::{ControlPlanes, Discovery, DiscoverySettings};
+use crate::identity::{IdentityConfig, IdentityMetrics};
+use crate::metrics::ProxyMetrics;
+use crate::serve::{ServeConfig, ServeLimits};
+use crate::tls::{Connector, TlsClient, TlsMode};
+use crate::ProxyStartError;
+
+/// Settings both processes share.
+#[derive(Clone, Debug)]
+pub struct BootstrapConfig {
+    /// Control-plane gRPC addresses (`host:port`), tried in turn.
+    pub control: Vec<String>,
+    pub admin: SocketAddr,
+    /// This process's identity; mTLS between proxies needs it.
+    pub identity: Option<IdentityConfig>,
+    pub tls_mode: TlsMode,
+    pub connect_timeout: Duration,
+    /// How long in-flight requests may take to finish on shutdown.
+    pub drain_timeout: Duration,
+    pub discovery: DiscoverySettings,
+    pub serve: ServeConfig,
+}
+
+/// The pieces a process builds its listeners from.
+pub struct Bootstrap {
+    pub discovery: Discovery,
+    pub metrics: ProxyMetrics,
+    pub readiness: Readiness,
+    /// Connections to endpoints: mTLS, plaintext or refused by `tls_mode`.
+    pub connector: Arc<Connector>,
+    /// Terminates TLS from peers (when identity is on).
+    pub server_tls: Option<Arc<ServerConfig>>,
+    pub limits: ServeLimits,
+    pub background: Background,
+}
+
+/// What runs beside the listeners: admin and certificate renewal.
+pub struct Background {
+    controls: Arc<ControlPlanes>,
+    registry: Registry,
+    admin: TcpListener,
+    identity: Option<(IdentityConfig, Arc<CertStore>, IdentityMetrics)>,
+}
+
+impl Bootstrap {
+    pub async fn new(config: &BootstrapConfig) -> Result<Self, ProxyStartError> {
+        if config.control.is_empty() {
+            return Err(ProxyStartError::NoControl);
+        }
+        if config.tls_mode == TlsMode::Mandatory && config.identity.is_none() {
+            return Err(ProxyStartError::MandatoryWithoutIdentity);
+        }
+        let controls = ControlPlanes::new(&config.control)?;
+        let mut registry = Registry::default();
+        let metrics = ProxyMetrics::default();
+        metrics.register(&mut registry);
+        let discovery = Discovery::new(controls.clone(), metrics.clone())
+            .with_first_answer_timeout(config.discovery.first_answer_timeout);
+        let readiness = Readiness::default();
+        let (client_tls, server_tls, identity) = match &config.identity {
+            Some(id) => {
+                let identity_metrics = IdentityMetrics::default();
+                identity_metrics.register(&mut registry);
+                readiness.require(crate::identity::CERTIFICATE);
+                let store = CertStore::new();
+                let (client, server) =
+                    TlsClient::for_identity(&id.trust_root, store.clone(), config.tls_mode)?;
+                (
+                    Some(client),
+                    Some(server),
+                    Some((id.clone(), store, identity_metrics)),
+                )
+            }
+            None => (None, None, None),
+        };
+        let connector = Arc::new(Connector {
+            connect_timeout: config.connect_timeout,
+            tls: client_tls,
+        });
+        let limits = ServeLimits::new(&config.serve, config.drain_timeout, metrics.clone());
+        let admin = bind("admin", config.admin).await?;
+        Ok(Self {
+            discovery,
+            metrics,
+            readiness,
+            connector,
+            server_tls,
+            limits,
+            background: Background {
+                controls,
+                registry,
+                admin,
+                identity,
+            },
+        })
+    }
+}
+
+impl Background {
+    /// Serves admin and renews the certificate until `shutdown`. Call it
+    /// after every readiness condition is registered: a probe in the first
+    /// instant must already see them missing.
+    pub fn start(self, readiness: Readiness, shutdown: Shutdown) {
+        if let Some((config, store, metrics)) = self.identity {
+            tokio::spawn(crate::identity::maintain(
+                config,
+                self.controls,
+                store,
+                readiness.clone(),
+                metrics,
+                shutdown.clone(),
+            ));
+        }
+        tokio::spawn(tether_admin::serve(
+            self.admin,
+            Admin {
+                readiness,
+                metrics: Arc::new(self.registry),
+                extra: None,
+            },
+            shutdown,
+        ));
+    }
+}

@@ -1,0 +1,159 @@
+//! Step 3, the endpoint layer: pick an endpoint not yet tried (P2C over
+//! peak-EWMA), connect (moving on to another endpoint when a connection
+//! cannot be made; nothing was sent yet), rewrite the request for the hop
+//! (HTTP/2 to peer proxies, the authority override a gateway needs) and
+//! send it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::{Request, Response, Version};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use super::service::Service;
+use super::{Outbound, CONNECT_ATTEMPTS};
+use crate::balance::{pick, EndpointHandle};
+use crate::client::EndpointClient;
+use crate::errors::ProxyError;
+use crate::http::Proto;
+use crate::http::{
+    rewrite_for_hop, strip_hop_by_hop, strip_mesh_asserted, Body, ORIG_PROTO, PROXY_ERROR,
+};
+use crate::metrics::Hop;
+
+/// What the attempts of one request share: the service, the endpoints on
+/// offer, those already tried, and how the request came.
+pub(super) struct Attempts<'a> {
+    pub svc: &'a Service,
+    pub endpoints: Vec<Arc<EndpointHandle>>,
+    pub tried: Vec<SocketAddr>,
+    /// The logical authority (an endpoint may override it for its hop).
+    pub authority: &'a str,
+    /// The request's HTTP version at its origin.
+    pub version: Version,
+}
+
+impl Attempts<'_> {
+    /// Whether an endpoint on offer has not been tried yet.
+    pub fn untried_left(&self) -> bool {
+        self.endpoints
+            .iter()
+            .any(|h| !self.tried.contains(&h.endpoint.addr))
+    }
+}
+
+impl Outbound {
+    /// One try: an endpoint not yet tried (moving on when a connection
+    /// cannot be made; nothing was sent), the request, the response.
+    pub(super) async fn attempt(
+        &self,
+        ctx: &mut Attempts<'_>,
+        parts: http::request::Parts,
+        body: Body,
+    ) -> Result<(Response<Body>, Hop), ProxyError> {
+        let Attempts {
+            svc,
+            ref endpoints,
+            ref mut tried,
+            authority,
+            version,
+        } = *ctx;
+        let mut request = Some((parts, body));
+        let mut last_error = ProxyError::FailFast;
+        for _ in 0..CONNECT_ATTEMPTS {
+            let Some(ep) = pick(endpoints, tried) else {
+                break;
+            };
+            let addr = ep.endpoint.addr;
+            tried.push(addr);
+            let proto = if ep.endpoint.meshed || version == Version::HTTP_2 {
+                Proto::Http2
+            } else {
+                Proto::Http1
+            };
+            let in_flight = ep.start();
+            let conn = match ep.client.connection(proto).await {
+                Ok(c) => c,
+                Err(reason) => {
+                    tracing::debug!(%addr, %reason, "connect failed; trying another endpoint");
+                    ep.mark_failed();
+                    last_error = ProxyError::Connect { addr, reason };
+                    continue;
+                }
+            };
+            let hop = Hop {
+                tls: conn.tls,
+                client_id: None,
+            };
+            let (parts, body) = request.take().expect("request is sent once");
+            let carry_http1 = ep.endpoint.meshed && version != Version::HTTP_2;
+            let hop_authority = ep
+                .endpoint
+                .authority_override
+                .as_deref()
+                .unwrap_or(authority);
+            let req = rewrite_for_hop(parts, body, hop_authority, proto, carry_http1);
+            let sent = Instant::now();
+            return match conn.send(req).await {
+                Ok(rsp) => {
+                    in_flight.observe(sent.elapsed());
+                    let (mut parts, body) = rsp.into_parts();
+                    strip_hop_by_hop(&mut parts.headers);
+                    if !ep.endpoint.meshed {
+                        // Only a peer proxy may say that it, not the app, failed.
+                        parts.headers.remove(PROXY_ERROR);
+                    }
+                    Ok((Response::from_parts(parts, body.boxed()), hop))
+                }
+                Err(e) => {
+                    ep.mark_failed();
+                    Err(ProxyError::Upstream {
+                        addr,
+                        reason: e.to_string(),
+                    })
+                }
+            };
+        }
+        if endpoints.iter().all(|h| h.is_failing()) {
+            svc.report_stall();
+        }
+        Err(last_error)
+    }
+
+    /// Sends `req` to one client (no balancing), as HTTP/1 or HTTP/2 like
+    /// the request came.
+    pub(super) async fn send(
+        &self,
+        client: &EndpointClient,
+        req: Request<Incoming>,
+        authority: &str,
+        carry_http1: bool,
+    ) -> Result<(Response<Body>, bool), ProxyError> {
+        let addr = client.addr();
+        let proto = if req.version() == Version::HTTP_2 {
+            Proto::Http2
+        } else {
+            Proto::Http1
+        };
+        let (mut parts, body) = req.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        strip_mesh_asserted(&mut parts.headers);
+        parts.headers.remove(ORIG_PROTO);
+        let conn = client
+            .connection(proto)
+            .await
+            .map_err(|reason| ProxyError::Connect { addr, reason })?;
+        let tls = conn.tls;
+        let req = rewrite_for_hop(parts, body.boxed(), authority, proto, carry_http1);
+        let rsp = conn.send(req).await.map_err(|e| ProxyError::Upstream {
+            addr,
+            reason: e.to_string(),
+        })?;
+        let (mut parts, body) = rsp.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        parts.headers.remove(PROXY_ERROR);
+        Ok((Response::from_parts(parts, body.boxed()), tls))
+    }
+}

@@ -1,0 +1,99 @@
+//! Step 1, from request to logical service: refuse what is never proxied
+//! (`CONNECT`), name the service by the request's authority (or the
+//! listener's pinned one), bound the wait for response headers by the
+//! service's timeout, and count the response.
+
+use std::time::{Duration, Instant};
+
+use http::{Method, Request, Response};
+use hyper::body::Incoming;
+use tokio::sync::watch;
+
+use super::service::effective_timeout;
+use super::Outbound;
+use crate::errors::ProxyError;
+use crate::http::{error_response, is_grpc, request_authority, Body};
+use crate::metrics::Hop;
+
+/// Adds the default port and lowercases, so `Web.demo` and `web.demo:80`
+/// share one service.
+pub(super) fn normalize(authority: &str) -> Result<String, ProxyError> {
+    let (host, port) = tether_core::authority::split_host_port(authority).map_err(|e| {
+        ProxyError::InvalidAuthority {
+            authority: authority.to_string(),
+            reason: e.to_string(),
+        }
+    })?;
+    Ok(format!("{}:{port}", host.to_ascii_lowercase()))
+}
+
+impl Outbound {
+    pub async fn handle(&self, req: Request<Incoming>, pinned: Option<&str>) -> Response<Body> {
+        let start = Instant::now();
+        let grpc = is_grpc(req.headers());
+        if req.method() == Method::CONNECT {
+            let rsp = error_response(&ProxyError::ConnectUnsupported, grpc);
+            return self.metrics.record_response(
+                rsp,
+                "outbound",
+                String::new(),
+                start.elapsed(),
+                Hop::default(),
+            );
+        }
+        let absolute = req.uri().scheme().is_some();
+        let authority = match pinned
+            .map(str::to_string)
+            .or_else(|| request_authority(&req))
+        {
+            Some(a) => normalize(&a),
+            None => Err(ProxyError::NoAuthority),
+        };
+        let (label, result) = match authority {
+            Ok(authority) => {
+                let svc = self.service(&authority);
+                let profile = svc.response_timeout();
+                let routed = self.route(svc, &authority, req, absolute);
+                let result = self.within_response_timeout(routed, profile, start).await;
+                (authority, result)
+            }
+            Err(e) => ("".to_string(), Err(e)),
+        };
+        let (rsp, hop) = result.unwrap_or_else(|e| {
+            tracing::debug!(authority = %label, error = %e, "outbound request failed");
+            (error_response(&e, grpc), Hop::default())
+        });
+        self.metrics
+            .record_response(rsp, "outbound", label, start.elapsed(), hop)
+    }
+
+    /// Bounds the time to response headers, from the request's start, by
+    /// the service's timeout — re-read when the profile arrives after the
+    /// request started. A body that streams afterwards is never cut.
+    async fn within_response_timeout<F>(
+        &self,
+        routed: F,
+        mut profile: watch::Receiver<Option<Duration>>,
+        start: Instant,
+    ) -> Result<(Response<Body>, Hop), ProxyError>
+    where
+        F: std::future::Future<Output = Result<(Response<Body>, Hop), ProxyError>>,
+    {
+        tokio::pin!(routed);
+        let mut profile_open = true;
+        loop {
+            let limit = effective_timeout(*profile.borrow_and_update(), self.response_timeout);
+            let expired = async {
+                match limit {
+                    Some(l) => tokio::time::sleep_until((start + l).into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                result = &mut routed => return result,
+                _ = expired => return Err(ProxyError::ResponseTimeout(limit.unwrap_or_default())),
+                changed = profile.changed(), if profile_open => profile_open = changed.is_ok(),
+            }
+        }
+    }
+}
