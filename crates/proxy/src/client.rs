@@ -186,3 +186,75 @@ async fn h2_connect(
     });
     Ok((sender, tls))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// Serves HTTP/2 on `listener`, counting the connections it accepts.
+    async fn serve_h2(listener: tokio::net::TcpListener, accepted: Arc<AtomicUsize>) {
+        while let Ok((stream, _)) = listener.accept().await {
+            accepted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(|_req| async {
+                    Ok::<_, std::convert::Infallible>(http::Response::new(crate::http::full("ok")))
+                });
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    }
+
+    async fn h2_server() -> (SocketAddr, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(serve_h2(listener, accepted.clone()));
+        (addr, accepted)
+    }
+
+    #[tokio::test]
+    async fn concurrent_callers_share_one_http2_connect() {
+        let (addr, accepted) = h2_server().await;
+        let client = Arc::new(EndpointClient::new(
+            addr,
+            None,
+            Connector::plain(Duration::from_secs(5)),
+        ));
+        let callers: Vec<_> = (0..32)
+            .map(|_| {
+                let client = client.clone();
+                tokio::spawn(async move { client.connection(Proto::Http2).await })
+            })
+            .collect();
+        for caller in callers {
+            let conn = caller.await.unwrap().unwrap();
+            let rsp = conn
+                .send(http::Request::new(crate::http::full("")))
+                .await
+                .unwrap();
+            assert_eq!(rsp.status(), 200);
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection for all");
+    }
+
+    #[tokio::test]
+    async fn a_failed_connect_is_not_cached() {
+        // Nothing listens here (bound, then closed).
+        let addr = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let client = EndpointClient::new(addr, None, Connector::plain(Duration::from_secs(1)));
+        assert!(client.connection(Proto::Http2).await.is_err());
+        assert!(matches!(*client.h2.lock().unwrap(), H2Slot::Empty));
+        // The next caller tries again (and succeeds once a server is there).
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        tokio::spawn(serve_h2(listener, Arc::default()));
+        assert!(client.connection(Proto::Http2).await.is_ok());
+    }
+}

@@ -80,3 +80,90 @@ pub fn spawn(
     });
     rx
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::discovery::Endpoint;
+
+    fn with_endpoint(on: bool) -> Resolution {
+        let mut endpoints = BTreeMap::new();
+        if on {
+            let addr = "127.0.0.1:1".parse().unwrap();
+            endpoints.insert(
+                addr,
+                Endpoint {
+                    addr,
+                    weight: 1,
+                    identity: None,
+                    meshed: false,
+                    opaque: false,
+                    labels: BTreeMap::new(),
+                    authority_override: None,
+                },
+            );
+        }
+        Resolution {
+            answered: true,
+            exists: true,
+            endpoints: Arc::new(endpoints),
+            ..Default::default()
+        }
+    }
+
+    /// Lets the watcher task run at the current (paused) instant.
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ready_waiting_failfast_and_back() {
+        let timeout = Duration::from_secs(3);
+        let (tx, rx) = watch::channel(with_endpoint(true));
+        let metrics = ProxyMetrics::default();
+        let stop = Shutdown::default();
+        let failfast = spawn("web:80".into(), rx, timeout, metrics.clone(), stop.clone());
+        let transitions = |to: &str| {
+            metrics
+                .failfast_transitions
+                .get_or_create(&TransitionLabels {
+                    authority: "web:80".into(),
+                    to: to.into(),
+                })
+                .get()
+        };
+        settle().await;
+        assert!(!*failfast.borrow(), "ready");
+        // No endpoint: waiting, not yet failing, until the whole timeout.
+        tx.send_replace(with_endpoint(false));
+        settle().await;
+        tokio::time::advance(timeout - Duration::from_millis(10)).await;
+        settle().await;
+        assert!(!*failfast.borrow(), "still waiting");
+        tokio::time::advance(Duration::from_millis(20)).await;
+        settle().await;
+        assert!(*failfast.borrow(), "fail-fast after the timeout");
+        assert_eq!(transitions("failfast"), 1);
+        // The first endpoint ends fail-fast at once.
+        tx.send_replace(with_endpoint(true));
+        settle().await;
+        assert!(!*failfast.borrow());
+        assert_eq!(transitions("ready"), 1);
+        // Losing it again starts a fresh wait.
+        tx.send_replace(with_endpoint(false));
+        settle().await;
+        tokio::time::advance(timeout / 2).await;
+        settle().await;
+        assert!(!*failfast.borrow());
+        tokio::time::advance(timeout).await;
+        settle().await;
+        assert!(*failfast.borrow());
+        assert_eq!(transitions("failfast"), 2);
+        stop.trigger();
+    }
+}

@@ -144,8 +144,6 @@ impl Connector {
     }
 }
 
-/// Terminates TLS on an accepted connection whose first bytes (`prefix`)
-/// were already read; returns the stream and the client's verified identity.
 /// A TCP connection to `addr`, within `timeout`, without Nagle's delay.
 pub async fn connect_tcp(
     addr: std::net::SocketAddr,
@@ -162,6 +160,8 @@ pub async fn connect_tcp(
 /// How long a client may take to complete a TLS handshake.
 pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Terminates TLS on an accepted connection whose first bytes (`prefix`)
+/// were already read; returns the stream and the client's verified identity.
 pub async fn terminate(
     config: Arc<rustls::ServerConfig>,
     prefix: bytes::Bytes,
@@ -185,4 +185,95 @@ pub async fn terminate(
         .and_then(|c| tether_identity::cert::identity_of(c))
         .map(Arc::from);
     Ok((Box::new(tls), client_id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WEB: &str = "web.demo.serviceaccount.identity.cluster.local";
+
+    /// A connector in `mode`, holding a certificate or not.
+    fn connector(mode: TlsMode, certified: bool, dir: &std::path::Path) -> Connector {
+        let store = tether_identity::tls::CertStore::new();
+        if certified {
+            let issuer = tether_identity::ca::Issuer::load(dir).unwrap();
+            let key = tether_identity::csr::generate(WEB).unwrap();
+            let issued = issuer
+                .sign(&key.csr_der, WEB, Duration::from_secs(3600))
+                .unwrap();
+            store
+                .install(
+                    issued.leaf_der,
+                    issued.chain,
+                    key.key_pkcs8,
+                    issued.valid_until,
+                )
+                .unwrap();
+        }
+        let (tls, _) = TlsClient::for_identity(&dir.join("ca.crt"), store, mode).unwrap();
+        Connector {
+            connect_timeout: Duration::from_secs(1),
+            tls: Some(tls),
+        }
+    }
+
+    #[test]
+    fn when_a_connection_is_mtls_plaintext_or_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        tether_identity::ca::init(&tether_identity::ca::InitOptions::new(
+            dir.path(),
+            "cluster.local",
+        ))
+        .unwrap();
+        let no_identity = Connector {
+            connect_timeout: Duration::from_secs(1),
+            tls: None,
+        };
+        assert!(matches!(no_identity.plan(Some(WEB)), Plan::Plain));
+        assert!(matches!(no_identity.plan(None), Plan::Plain));
+        use TlsMode::*;
+        // (mode, holds a certificate, endpoint identity) → plan
+        let table: [(TlsMode, bool, Option<&str>, &str); 8] = [
+            (Opportunistic, true, Some(WEB), "tls"),
+            (Opportunistic, true, None, "plain"),
+            (Opportunistic, false, Some(WEB), "plain"),
+            (Opportunistic, false, None, "plain"),
+            (Mandatory, true, Some(WEB), "tls"),
+            (
+                Mandatory,
+                true,
+                None,
+                "refuse: endpoint has no TLS identity",
+            ),
+            (
+                Mandatory,
+                false,
+                Some(WEB),
+                "refuse: this proxy holds no certificate yet",
+            ),
+            (
+                Mandatory,
+                false,
+                None,
+                "refuse: endpoint has no TLS identity",
+            ),
+        ];
+        for (mode, certified, identity, expected) in table {
+            let c = connector(mode, certified, dir.path());
+            let got = match c.plan(identity) {
+                Plan::Plain => "plain".to_string(),
+                Plan::Tls(id) => {
+                    assert_eq!(id, WEB);
+                    "tls".to_string()
+                }
+                Plan::Refuse(why) => format!("refuse: {why}"),
+            };
+            assert!(
+                got.starts_with(expected),
+                "{mode:?}, certified {certified}, identity {identity:?}: {got}"
+            );
+            assert_eq!(c.is_mandatory(), mode == Mandatory);
+        }
+    }
 }
