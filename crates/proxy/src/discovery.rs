@@ -837,4 +837,50 @@ mod tests {
         apply(&tx, vec![batch(20)], false);
         assert_eq!(rx.borrow().endpoints.len(), 4);
     }
+
+    fn remove(addrs: &[SocketAddr]) -> Update {
+        Update {
+            update: Some(update::Update::Remove(
+                linkerd2_proxy_api::destination::AddrSet {
+                    addrs: addrs.iter().map(|a| TcpAddress::from(*a)).collect(),
+                },
+            )),
+        }
+    }
+
+    fn no_endpoints(exists: bool) -> Update {
+        Update {
+            update: Some(update::Update::NoEndpoints(
+                linkerd2_proxy_api::destination::NoEndpoints { exists },
+            )),
+        }
+    }
+
+    fn addrs(tx: &watch::Sender<Resolution>) -> Vec<SocketAddr> {
+        tx.borrow().endpoints.keys().copied().collect()
+    }
+
+    #[test]
+    fn apply_follows_the_protocol() {
+        let tx = watch::Sender::new(Resolution::default());
+        let ep = |i: u8| SocketAddr::from(([10, 0, 0, i], 8080));
+        // A new stream's first Add replaces whatever was known.
+        apply(&tx, vec![add(3)], true);
+        assert_eq!(addrs(&tx), [ep(0), ep(1), ep(2)]);
+        assert!(tx.borrow().answered && tx.borrow().exists);
+        // Later Adds add, Removes remove, in the order they came.
+        apply(&tx, vec![remove(&[ep(1)]), add(1)], false);
+        assert_eq!(addrs(&tx), [ep(0), ep(2)]);
+        apply(&tx, vec![add(2)], false);
+        assert_eq!(addrs(&tx), [ep(0), ep(1), ep(2)]);
+        // A reconnect's first answer starts over: nothing stale survives.
+        apply(&tx, vec![add(1)], true);
+        assert_eq!(addrs(&tx), [ep(0)]);
+        // NoEndpoints clears and says whether the service exists.
+        apply(&tx, vec![no_endpoints(false)], false);
+        assert!(addrs(&tx).is_empty());
+        assert!(!tx.borrow().exists);
+        apply(&tx, vec![no_endpoints(true)], true);
+        assert!(tx.borrow().exists && tx.borrow().last_error.is_none());
+    }
 }
