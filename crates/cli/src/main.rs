@@ -530,9 +530,11 @@ async fn main() -> anyhow::Result<()> {
                 "--identity-leaf-lifetime must be at least 1 second"
             );
             let config = tether_control::ControlConfig {
-                registry_dir: registry,
-                registry_max_file_bytes,
-                kube_api,
+                registry: tether_control::RegistrySource::from_flag(
+                    &registry,
+                    registry_max_file_bytes,
+                    kube_api,
+                ),
                 token_audience,
                 grpc_addr: grpc,
                 admin_addr: admin,
@@ -541,10 +543,12 @@ async fn main() -> anyhow::Result<()> {
                 leaf_lifetime: identity_leaf_lifetime,
                 audit_interval,
                 cluster,
-                export_addr: export,
-                gateway_address,
-                gateway_identity,
-                links: link,
+                multicluster: tether_control::multicluster::MulticlusterConfig {
+                    export_addr: export,
+                    gateway_address,
+                    gateway_identity,
+                    links: link,
+                },
                 max_subscriptions: usize::try_from(max_subscriptions).unwrap_or(usize::MAX),
             };
             tether_control::run(config, shutdown).await?;

@@ -6,6 +6,7 @@
 //! identity?), issuer (still valid?). Any refusal signs nothing, answers a
 //! gRPC error naming the cause, and is counted by cause.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,6 +61,42 @@ pub struct IdentityService {
     pub tokens: Tokens,
     pub leaf_lifetime: Duration,
     pub metrics: IdentityMetrics,
+}
+
+/// Why Certify cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("identity: {0}")]
+    Issuer(#[from] tether_identity::ca::LoadError),
+    #[error("identity: reading bootstrap token secret: {0}")]
+    TokenSecret(#[source] std::io::Error),
+}
+
+impl IdentityService {
+    /// Certify from the identity directory `dir` (`tether identity init`):
+    /// its issuer signs; tokens are ServiceAccount tokens checked through
+    /// `token_review` when given, else local tokens from `dir`'s secret.
+    pub fn load(
+        dir: &Path,
+        token_review: Option<KubeTokenReview>,
+        leaf_lifetime: Duration,
+        metrics: IdentityMetrics,
+    ) -> Result<Self, StartError> {
+        let issuer = Arc::new(Issuer::load(dir)?);
+        let tokens = match token_review {
+            Some(review) => Tokens::Kubernetes(review),
+            None => Tokens::Local(Arc::new(
+                tether_identity::token::LocalTokens::load(dir).map_err(StartError::TokenSecret)?,
+            )),
+        };
+        tracing::info!(dir = %dir.display(), "identity: issuing certificates");
+        Ok(Self {
+            issuer,
+            tokens,
+            leaf_lifetime,
+            metrics,
+        })
+    }
 }
 
 /// Who vouches for a Certify request's token.

@@ -26,4 +26,5 @@ pub mod policy;
 pub mod registry;
 pub mod server;
 
+pub use registry::source::RegistrySource;
 pub use server::{run, ControlConfig, ControlError};

@@ -1,4 +1,7 @@
 //! Wires the control plane: listeners, registry, index, gRPC and admin.
+//! Each concern starts from its own module: the registry backend from
+//! [`crate::registry::source`], Certify from [`crate::identity`], the
+//! export API and links from [`crate::multicluster`]; `run` orders them.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,11 +13,15 @@ use linkerd2_proxy_api::inbound::inbound_server_policies_server::InboundServerPo
 use linkerd2_proxy_api::outbound::outbound_policies_server::OutboundPoliciesServer;
 use tether_admin::{bind, Admin, Readiness, Shutdown};
 
-use crate::destination::DestinationService;
+use crate::destination::{DestinationService, Subscriptions};
+use crate::identity::{IdentityMetrics, IdentityService, KubeTokenReview};
 use crate::index::Index;
 use crate::metrics::ControlMetrics;
+use crate::multicluster::{Multicluster, MulticlusterConfig, MulticlusterError};
 use crate::policy::PolicyService;
-use crate::registry::{file::FileRegistry, Registry, LOADED};
+use crate::registry::kubernetes::WatchLag;
+use crate::registry::source::{RegistrySource, SourceError};
+use crate::registry::LOADED;
 
 /// The largest gRPC message the control plane sends. Destination updates
 /// are batched far below it ([`crate::destination::MAX_UPDATE_BYTES`]); it
@@ -32,13 +39,8 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 4_096;
 
 #[derive(Clone, Debug)]
 pub struct ControlConfig {
-    /// A registry directory, or `kubernetes`.
-    pub registry_dir: PathBuf,
-    /// The largest registry file read (file registry only).
-    pub registry_max_file_bytes: u64,
-    /// With the Kubernetes registry: the API server's URL (default: in-cluster
-    /// configuration or the kubeconfig).
-    pub kube_api: Option<String>,
+    /// Where services and endpoints come from.
+    pub registry: RegistrySource,
     /// With the Kubernetes registry, Certify accepts ServiceAccount tokens
     /// for this audience (checked through TokenReview).
     pub token_audience: String,
@@ -52,12 +54,7 @@ pub struct ControlConfig {
     pub audit_interval: std::time::Duration,
     /// This cluster's name (multicluster).
     pub cluster: Option<String>,
-    /// Where to serve the export API (mTLS; needs `identity_dir`).
-    pub export_addr: Option<SocketAddr>,
-    /// What the export API advertises about this cluster's gateway.
-    pub gateway_address: Option<String>,
-    pub gateway_identity: Option<String>,
-    pub links: Vec<crate::multicluster::links::Link>,
+    pub multicluster: MulticlusterConfig,
     /// Live `Destination.Get` streams this process serves at most; beyond,
     /// `Get` is refused (RESOURCE_EXHAUSTED) so the proxy tries another
     /// replica.
@@ -69,168 +66,85 @@ pub enum ControlError {
     #[error(transparent)]
     Bind(#[from] tether_admin::BindError),
     #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error(transparent)]
     Registry(#[from] crate::registry::RegistryError),
-    #[error("identity: {0}")]
-    Identity(#[from] tether_identity::ca::LoadError),
-    #[error("identity: reading bootstrap token secret: {0}")]
-    TokenSecret(std::io::Error),
+    #[error(transparent)]
+    Identity(#[from] crate::identity::StartError),
     #[error("multicluster: {0}")]
-    Multicluster(String),
-    #[error("Kubernetes: {0}")]
-    Kubernetes(String),
+    Multicluster(#[from] MulticlusterError),
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
 }
 
 /// Runs the control plane until `shutdown` fires. Subscriber streams end
 /// cleanly on shutdown so proxies move to another replica.
+///
+/// Every configuration error (registry source, identity, multicluster)
+/// shows before a listener binds; discovery is answered only after the
+/// registry's first full load.
 pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), ControlError> {
-    let kubernetes = config.registry_dir.as_os_str() == "kubernetes";
-    if !kubernetes && !config.registry_dir.is_dir() {
-        return Err(crate::registry::RegistryError::Directory {
-            path: config.registry_dir.display().to_string(),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory"),
-        }
-        .into());
-    }
-    let kube_client = if kubernetes {
-        Some(match &config.kube_api {
-            Some(url) => {
-                let uri = url.parse().map_err(|_| {
-                    ControlError::Kubernetes(format!("--kube-api {url:?} is not a URL"))
-                })?;
-                kube::Client::try_from(kube::Config::new(uri))
-                    .map_err(|e| ControlError::Kubernetes(e.to_string()))?
-            }
-            None => kube::Client::try_default().await.map_err(|e| {
-                ControlError::Kubernetes(format!("no in-cluster configuration or kubeconfig: {e}"))
-            })?,
-        })
-    } else {
-        None
-    };
-    let identity_metrics = crate::identity::IdentityMetrics::default();
-    let mut issuer_for_links = None;
+    let backend = config.registry.connect().await?;
+    let identity_metrics = IdentityMetrics::default();
     let identity = match &config.identity_dir {
         Some(dir) => {
-            let issuer = Arc::new(tether_identity::ca::Issuer::load(dir)?);
-            issuer_for_links = Some(issuer.clone());
-            let tokens = match &kube_client {
-                Some(client) => {
-                    crate::identity::Tokens::Kubernetes(crate::identity::KubeTokenReview {
-                        client: client.clone(),
-                        audience: config.token_audience.clone(),
-                        trust_domain: config.cluster_domain.clone(),
-                    })
-                }
-                None => crate::identity::Tokens::Local(Arc::new(
-                    tether_identity::token::LocalTokens::load(dir)
-                        .map_err(ControlError::TokenSecret)?,
-                )),
-            };
-            tracing::info!(dir = %dir.display(), "identity: issuing certificates");
-            Some(
-                IdentityServer::new(crate::identity::IdentityService {
-                    issuer,
-                    tokens,
-                    leaf_lifetime: config.leaf_lifetime,
-                    metrics: identity_metrics.clone(),
-                })
-                .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
-            )
+            let token_review = backend.kube_client().map(|client| KubeTokenReview {
+                client: client.clone(),
+                audience: config.token_audience.clone(),
+                trust_domain: config.cluster_domain.clone(),
+            });
+            Some(IdentityService::load(
+                dir,
+                token_review,
+                config.leaf_lifetime,
+                identity_metrics.clone(),
+            )?)
         }
         None => None,
     };
-    let multicluster = if config.export_addr.is_some() || !config.links.is_empty() {
-        let (Some(dir), Some(issuer)) = (&config.identity_dir, issuer_for_links) else {
-            return Err(ControlError::Multicluster(
-                "--export and --link need --identity (the export API is mTLS)".into(),
-            ));
-        };
-        let Some(cluster) = config.cluster.clone() else {
-            return Err(ControlError::Multicluster(
-                "--export and --link need --cluster NAME".into(),
-            ));
-        };
-        let store = tether_identity::tls::CertStore::new();
-        let me = crate::multicluster::control_identity(&cluster, &config.cluster_domain);
-        crate::multicluster::tls::self_certify(issuer, me, store.clone())
-            .map_err(ControlError::Multicluster)?;
-        Some((dir.clone(), cluster, store))
-    } else {
-        None
-    };
+    let issuer = identity.as_ref().map(|service| service.issuer.clone());
+    let multicluster = Multicluster::prepare(
+        &config.multicluster,
+        config.cluster.as_deref(),
+        &config.cluster_domain,
+        config.identity_dir.as_deref().zip(issuer),
+    )?;
+
     let grpc = bind("grpc", config.grpc_addr).await?;
-    let export_listener = match config.export_addr {
+    let export_listener = match config.multicluster.export_addr {
         Some(addr) => Some(bind("export", addr).await?),
         None => None,
     };
     let admin_listener = bind("admin", config.admin_addr).await?;
 
     let metrics = ControlMetrics::default();
-    let mut registry = prometheus_client::registry::Registry::default();
-    metrics.register(&mut registry);
-    identity_metrics.register(&mut registry);
-    let kube_lag =
-        crate::registry::kubernetes::WatchLag::new_with_constructor(crate::metrics::LatencyBuckets);
-    registry.register(
-        "tether_kubernetes_watch_lag_seconds",
-        "From a Kubernetes object's last change to the control plane seeing it, by kind",
-        kube_lag.clone(),
-    );
+    let (prometheus, kube_lag) = prometheus_registry(&metrics, &identity_metrics);
     let readiness = Readiness::default();
     readiness.require(LOADED);
     let index = Index::new(metrics.clone());
     if let Some(cluster) = &config.cluster {
         index.set_cluster(cluster);
     }
-    let subscriptions = crate::destination::Subscriptions::with_limit(config.max_subscriptions);
-    let audit: tether_admin::Extra = {
-        let (subs, index, metrics) = (subscriptions.clone(), index.clone(), metrics.clone());
-        Arc::new(move |_method, path, _query| {
-            (path == "/audit").then(|| {
-                (
-                    http::StatusCode::OK,
-                    format!("{}\n", subs.audit(&index, &metrics)),
-                )
-            })
-        })
-    };
-
-    let registry = Arc::new(registry);
-    let diagnostics = crate::diagnostics::DiagnosticsServer::new(registry.clone());
+    let subscriptions = Subscriptions::with_limit(config.max_subscriptions);
+    let diagnostics = crate::diagnostics::DiagnosticsServer::new(prometheus.clone());
     tokio::spawn(tether_admin::serve(
         admin_listener,
         Admin {
             readiness: readiness.clone(),
-            metrics: registry,
-            extra: Some(audit),
+            metrics: prometheus,
+            extra: Some(audit_on_demand(&subscriptions, &index, &metrics)),
         },
         shutdown.clone(),
     ));
 
-    let ready = readiness.clone();
-    let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
-    let loaded: Box<dyn FnOnce() + Send> = Box::new(move || {
-        ready.set(LOADED, true);
-        let _ = loaded_tx.send(());
-    });
-    let mut registry_task = if let Some(client) = kube_client {
-        let k8s = crate::registry::kubernetes::KubernetesRegistry::new(
-            client,
-            &config.cluster_domain,
-            metrics.clone(),
-            kube_lag,
-        );
-        tokio::spawn(k8s.run(index.clone(), loaded))
-    } else {
-        tokio::spawn(
-            FileRegistry::new(&config.registry_dir, metrics.clone())
-                .with_max_file_bytes(config.registry_max_file_bytes)
-                .run(index.clone(), loaded),
-        )
-    };
+    let (loaded, loaded_rx) = when_loaded(readiness);
+    let mut registry_task = backend.spawn(
+        index.clone(),
+        loaded,
+        &config.cluster_domain,
+        metrics.clone(),
+        kube_lag,
+    );
     // Answer no discovery before the first full load: an empty index would
     // tell proxies that every service is unknown. Clients wait in the
     // listen backlog meanwhile.
@@ -254,65 +168,88 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         config.audit_interval,
         shutdown.clone(),
     ));
-    if let Some((dir, cluster, store)) = multicluster {
-        let own_roots = Arc::new(
-            tether_identity::tls::load_roots(&dir.join(tether_identity::ca::CA_CERT))
-                .map_err(|e| ControlError::Multicluster(e.to_string()))?,
-        );
-        if let Some(listener) = export_listener {
-            let server_config =
-                tether_identity::tls::server_config(store.clone(), own_roots.clone())
-                    .map_err(|e| ControlError::Multicluster(e.to_string()))?;
-            let export = crate::multicluster::export::ExportServer::new(
-                index.clone(),
-                crate::multicluster::export::ExportConfig {
-                    cluster: cluster.clone(),
-                    gateway_address: config.gateway_address.clone().unwrap_or_default(),
-                    gateway_identity: config.gateway_identity.clone().unwrap_or_default(),
-                },
-                shutdown.clone(),
-            );
-            let signal = shutdown.clone();
-            tokio::spawn(async move {
-                let served = tonic::transport::Server::builder()
-                    .add_service(export)
-                    .serve_with_incoming_shutdown(
-                        crate::multicluster::tls::incoming(listener, server_config),
-                        async move { signal.triggered().await },
-                    )
-                    .await;
-                if let Err(e) = served {
-                    tracing::error!(error = %e, "export API stopped");
-                }
-            });
-        }
-        for link in &config.links {
-            let roots = match &link.trust_root {
-                Some(path) => Arc::new(
-                    tether_identity::tls::load_roots(path)
-                        .map_err(|e| ControlError::Multicluster(e.to_string()))?,
-                ),
-                None => own_roots.clone(),
-            };
-            let client_config = tether_identity::tls::client_config(store.clone(), roots)
-                .map_err(|e| ControlError::Multicluster(e.to_string()))?;
-            let expected =
-                crate::multicluster::control_identity(&link.name, &config.cluster_domain);
-            tokio::spawn(crate::multicluster::remote::run(
-                link.clone(),
-                cluster.clone(),
-                expected,
-                client_config,
-                index.clone(),
-                shutdown.clone(),
-            ));
-        }
+    if let Some(multicluster) = multicluster {
+        multicluster.spawn(export_listener, &index, &shutdown);
     }
     let policy = PolicyService {
         shutdown: shutdown.clone(),
     };
     let signal = shutdown.clone();
-    let server = tonic::transport::Server::builder()
+    let server = grpc_services(destination, policy, identity, diagnostics)
+        .serve_with_incoming_shutdown(tether_admin::incoming(grpc, "grpc"), async move {
+            signal.triggered().await
+        });
+    tokio::select! {
+        res = server => res?,
+        res = registry_task => registry_ended(res)?,
+    }
+    tracing::info!("control plane stopped");
+    Ok(())
+}
+
+/// The Prometheus registry every metric of the process is in, and the
+/// Kubernetes watch-lag family (registered whatever the registry source,
+/// so dashboards see the same names).
+fn prometheus_registry(
+    metrics: &ControlMetrics,
+    identity_metrics: &IdentityMetrics,
+) -> (Arc<prometheus_client::registry::Registry>, WatchLag) {
+    let mut registry = prometheus_client::registry::Registry::default();
+    metrics.register(&mut registry);
+    identity_metrics.register(&mut registry);
+    let kube_lag = WatchLag::new_with_constructor(crate::metrics::LatencyBuckets);
+    registry.register(
+        "tether_kubernetes_watch_lag_seconds",
+        "From a Kubernetes object's last change to the control plane seeing it, by kind",
+        kube_lag.clone(),
+    );
+    (Arc::new(registry), kube_lag)
+}
+
+/// `GET /audit` on the admin listener: an audit now, its report as text.
+fn audit_on_demand(
+    subscriptions: &Subscriptions,
+    index: &Index,
+    metrics: &ControlMetrics,
+) -> tether_admin::Extra {
+    let (subs, index, metrics) = (subscriptions.clone(), index.clone(), metrics.clone());
+    Arc::new(move |_method, path, _query| {
+        (path == "/audit").then(|| {
+            (
+                http::StatusCode::OK,
+                format!("{}\n", subs.audit(&index, &metrics)),
+            )
+        })
+    })
+}
+
+/// The callback a registry calls after its first full load (it marks
+/// `readiness` loaded) and the receiver that learns of it.
+fn when_loaded(
+    readiness: Readiness,
+) -> (Box<dyn FnOnce() + Send>, tokio::sync::oneshot::Receiver<()>) {
+    let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel::<()>();
+    let loaded: Box<dyn FnOnce() + Send> = Box::new(move || {
+        readiness.set(LOADED, true);
+        let _ = loaded_tx.send(());
+    });
+    (loaded, loaded_rx)
+}
+
+/// Every gRPC service of the main listener, each bounded in the messages it
+/// reads and sends.
+fn grpc_services(
+    destination: DestinationService,
+    policy: PolicyService,
+    identity: Option<IdentityService>,
+    diagnostics: crate::diagnostics::DiagnosticsServer,
+) -> tonic::transport::server::Router {
+    let identity = identity.map(|service| {
+        IdentityServer::new(service)
+            .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES)
+    });
+    tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .add_service(
             DestinationServer::new(destination)
@@ -331,15 +268,6 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         )
         .add_optional_service(identity)
         .add_service(diagnostics)
-        .serve_with_incoming_shutdown(tether_admin::incoming(grpc, "grpc"), async move {
-            signal.triggered().await
-        });
-    tokio::select! {
-        res = server => res?,
-        res = registry_task => registry_ended(res)?,
-    }
-    tracing::info!("control plane stopped");
-    Ok(())
 }
 
 fn registry_ended(
@@ -360,7 +288,7 @@ fn registry_ended(
 
 /// Audits every subscription periodically; drops unwatched slots.
 async fn audit_loop(
-    subscriptions: crate::destination::Subscriptions,
+    subscriptions: Subscriptions,
     index: Index,
     metrics: ControlMetrics,
     interval: std::time::Duration,

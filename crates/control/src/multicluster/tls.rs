@@ -19,28 +19,36 @@ use tokio::sync::mpsc;
 /// half that.
 const LIFETIME: Duration = Duration::from_secs(24 * 3600);
 
+/// Why the control plane could not issue its own certificate.
+#[derive(Debug, thiserror::Error)]
+pub enum SelfCertifyError {
+    #[error("generating a key and CSR: {0}")]
+    Key(#[from] rcgen::Error),
+    #[error(transparent)]
+    Sign(#[from] tether_identity::ca::SignError),
+    #[error(transparent)]
+    Install(#[from] tether_identity::tls::TlsError),
+}
+
 /// Issues `identity` a certificate from `issuer` into `store`, and renews
 /// it in the background.
 pub fn self_certify(
     issuer: Arc<Issuer>,
     identity: String,
     store: Arc<CertStore>,
-) -> Result<(), String> {
+) -> Result<(), SelfCertifyError> {
     let issue = {
         let (issuer, identity, store) = (issuer.clone(), identity.clone(), store.clone());
-        move || -> Result<(), String> {
-            let kc = tether_identity::csr::generate(&identity).map_err(|e| e.to_string())?;
-            let issued = issuer
-                .sign(&kc.csr_der, &identity, LIFETIME)
-                .map_err(|e| e.to_string())?;
-            store
-                .install(
-                    issued.leaf_der,
-                    issued.chain,
-                    kc.key_pkcs8,
-                    issued.valid_until,
-                )
-                .map_err(|e| e.to_string())
+        move || -> Result<(), SelfCertifyError> {
+            let kc = tether_identity::csr::generate(&identity)?;
+            let issued = issuer.sign(&kc.csr_der, &identity, LIFETIME)?;
+            store.install(
+                issued.leaf_der,
+                issued.chain,
+                kc.key_pkcs8,
+                issued.valid_until,
+            )?;
+            Ok(())
         }
     };
     issue()?;

@@ -2,11 +2,13 @@
 //!
 //! A backend watches its source of truth and writes whole services into the
 //! [`Index`]; it marks the `registry loaded` readiness condition once its
-//! first full load is in. Today there is one backend, [`file::FileRegistry`];
-//! a Kubernetes backend will implement the same trait.
+//! first full load is in. Two backends implement [`Registry`]:
+//! [`file::FileRegistry`] and [`kubernetes::KubernetesRegistry`];
+//! [`source::RegistrySource`] is the choice between them.
 
 pub mod file;
 pub mod kubernetes;
+pub mod source;
 
 use std::future::Future;
 
