@@ -5,6 +5,7 @@
 //! - [`registry`]: the registry document model (services and their
 //!   endpoints) and its validation, shared by the file registry that reads it
 //!   and by `tether up`, which writes it.
+//! - [`backoff`]: jittered exponential backoff, calculated (callers sleep).
 //! - [`log_limit`]: at most one log line per interval for conditions a
 //!   client can repeat at will.
 //! - [`truncate`]: bounded echoes of untrusted input (a prefix plus the
@@ -15,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod authority;
+pub mod backoff;
 pub mod log_limit;
 pub mod prom;
 pub mod registry;

@@ -35,12 +35,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tether_core::backoff::{jittered, Backoff};
 
 use linkerd2_proxy_api::destination::{
     destination_client::DestinationClient, protocol_hint, tls_identity, update, GetDestination,
     WeightedAddr,
 };
-use rand::Rng;
 use tether_admin::Shutdown;
 use tokio::sync::{watch, Notify};
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
@@ -354,7 +354,7 @@ impl Discovery {
                 }
                 attempt += 1;
                 tokio::select! {
-                    _ = tokio::time::sleep(jittered(BACKOFF_MAX)) => {}
+                    _ = tokio::time::sleep(jittered(BACKOFF_MAX, rand::random())) => {}
                     _ = stop.triggered() => return,
                 }
             }
@@ -385,10 +385,6 @@ fn client(channel: Channel) -> DestinationClient<Channel> {
 /// Updates applied together when they have already arrived, at most.
 const COALESCE: usize = 256;
 
-fn jittered(d: Duration) -> Duration {
-    d.mul_f64(rand::rng().random_range(0.5..1.0))
-}
-
 /// How long a stream must have been silent before a stall report makes
 /// discovery re-subscribe.
 const STALL_QUIET: Duration = Duration::from_secs(1);
@@ -396,8 +392,42 @@ const STALL_QUIET: Duration = Duration::from_secs(1);
 /// How one stream attempt ended.
 struct Ended {
     error: StreamError,
-    /// `ended`, `stalled`, `silent`, `message_too_large`, `rejected`, `error`.
-    reason: &'static str,
+    reason: EndReason,
+}
+
+/// Why a stream attempt ended: the `reason` label of
+/// `tether_proxy_discovery_reconnects_total`, and what decides the pause.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EndReason {
+    /// The control plane ended the stream (a replica shutting down).
+    Ended,
+    /// Re-subscribing after a stall report.
+    Stalled,
+    /// No first answer within the first-answer timeout.
+    Silent,
+    MessageTooLarge,
+    /// The control plane refused the authority (a definitive answer).
+    Rejected,
+    Error,
+}
+
+impl EndReason {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Ended => "ended",
+            Self::Stalled => "stalled",
+            Self::Silent => "silent",
+            Self::MessageTooLarge => "message_too_large",
+            Self::Rejected => "rejected",
+            Self::Error => "error",
+        }
+    }
+
+    /// An orderly end, a stall or a silent replica is retried at once on
+    /// the next replica; failures back off.
+    fn retries_at_once(self) -> bool {
+        matches!(self, Self::Ended | Self::Stalled | Self::Silent)
+    }
 }
 
 async fn resolve_task(
@@ -408,14 +438,14 @@ async fn resolve_task(
     metrics: crate::metrics::ProxyMetrics,
     first_answer_timeout: Duration,
 ) {
-    let mut backoff = BACKOFF_MIN;
+    let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     let mut next = 0usize;
     loop {
         let ended = tokio::select! {
             ended = follow(&authority, &controls, next, &tx, &stall, first_answer_timeout, &mut backoff) => ended,
             _ = tx.closed() => return,
         };
-        if ended.reason == "rejected" {
+        if ended.reason == EndReason::Rejected {
             // A definitive answer: this authority is not served. Ask again
             // later (the outbound side drops it as soon as it is idle).
             tracing::debug!(%authority, error = %ended.error, "control plane rejected the authority");
@@ -433,18 +463,13 @@ async fn resolve_task(
                 tracing::info!(%authority, error = %ended.error, "discovery stream lost; reconnecting")
             }
         }
-        metrics.discovery_reconnect(ended.reason);
+        metrics.discovery_reconnect(ended.reason.as_str());
         tx.send_modify(|r| r.last_error = Some(ended.error));
         next += 1;
-        // An orderly end (a replica shutting down), a stall or a silent
-        // replica is retried at once on the next replica; failures back off.
-        let pause = match ended.reason {
-            "ended" | "stalled" | "silent" => jittered(BACKOFF_MIN),
-            _ => {
-                let p = jittered(backoff);
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-                p
-            }
+        let pause = if ended.reason.retries_at_once() {
+            jittered(BACKOFF_MIN, rand::random())
+        } else {
+            backoff.next_pause(rand::random())
         };
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
@@ -461,11 +486,11 @@ async fn follow(
     tx: &watch::Sender<Resolution>,
     stall: &Stall,
     first_answer_timeout: Duration,
-    backoff: &mut Duration,
+    backoff: &mut Backoff,
 ) -> Ended {
     let unreachable = |e: String| Ended {
         error: StreamError::Unreachable(e),
-        reason: "error",
+        reason: EndReason::Error,
     };
     let failed = |addr: SocketAddr, status: tonic::Status| {
         let message = bounded(status.message());
@@ -474,7 +499,7 @@ async fn follow(
                 error: StreamError::TooLarge(format!(
                     "control plane {addr}: message too large: {message}"
                 )),
-                reason: "message_too_large",
+                reason: EndReason::MessageTooLarge,
             }
         } else {
             unreachable(format!("control plane {addr} unreachable: {message}"))
@@ -509,7 +534,7 @@ async fn follow(
                 error: StreamError::Unreachable(format!(
                     "control plane {addr} unreachable: no answer within {first_answer_timeout:?}; trying another replica"
                 )),
-                reason: "silent",
+                reason: EndReason::Silent,
             }
         }
         Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => {
@@ -527,14 +552,14 @@ async fn follow(
                 error: StreamError::Unreachable(format!(
                     "control plane {addr} rejected {authority}: {reason}"
                 )),
-                reason: "rejected",
+                reason: EndReason::Rejected,
             };
         }
         Ok(Err(status)) => return failed(addr, status),
         Ok(Ok((_, None))) => {
             return Ended {
                 error: StreamError::Unreachable(format!("control plane {addr} ended the stream")),
-                reason: "ended",
+                reason: EndReason::Ended,
             }
         }
         Ok(Ok((stream, Some(first)))) => (stream, first),
@@ -557,7 +582,7 @@ async fn follow(
         }
         apply(tx, std::mem::take(&mut pending), fresh);
         fresh = false;
-        *backoff = BACKOFF_MIN;
+        backoff.reset();
         let last = Instant::now();
         let msg = if let Some(end) = end {
             end
@@ -571,7 +596,7 @@ async fn follow(
                                 error: StreamError::Unreachable(format!(
                                     "stream from {addr} stalled: every endpoint is failing and no update came"
                                 )),
-                                reason: "stalled",
+                                reason: EndReason::Stalled,
                             };
                         }
                     }
@@ -585,7 +610,7 @@ async fn follow(
                     error: StreamError::Unreachable(format!(
                         "control plane {addr} ended the stream"
                     )),
-                    reason: "ended",
+                    reason: EndReason::Ended,
                 }
             }
             Err(status) => return failed(addr, status),

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
+use tether_core::backoff::Backoff;
 
 use linkerd2_proxy_api::identity::{identity_client::IdentityClient, CertifyRequest};
 use prometheus_client::encoding::EncodeLabelSet;
@@ -15,7 +16,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use rand::Rng;
 use tether_admin::{Readiness, Shutdown};
 use tether_identity::tls::CertStore;
 use tonic::transport::Channel;
@@ -124,7 +124,7 @@ pub async fn maintain(
     metrics: IdentityMetrics,
     shutdown: Shutdown,
 ) {
-    let mut backoff = BACKOFF_MIN;
+    let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     let mut next = 0usize;
     loop {
         let attempt = match controls.pick(next).await {
@@ -139,7 +139,7 @@ pub async fn maintain(
         let wait = match attempt {
             Ok(expires) => {
                 metrics.outcome("ok");
-                backoff = BACKOFF_MIN;
+                backoff.reset();
                 readiness.set(CERTIFICATE, true);
                 let secs = expires
                     .duration_since(SystemTime::UNIX_EPOCH)
@@ -159,9 +159,7 @@ pub async fn maintain(
                     readiness.set(CERTIFICATE, false);
                 }
                 next += 1;
-                let wait = backoff.mul_f64(rand::rng().random_range(0.5..1.0));
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-                wait
+                backoff.next_pause(rand::random())
             }
         };
         tokio::select! {

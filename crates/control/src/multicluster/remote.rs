@@ -13,9 +13,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+use tether_core::backoff::Backoff;
 
 use hyper_util::rt::TokioIo;
-use rand::Rng;
 use rustls::pki_types::ServerName;
 use rustls::ClientConfig;
 use tether_admin::Shutdown;
@@ -167,7 +167,7 @@ async fn follow_export(
         server_name,
         config,
     };
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     let mut last_error: Option<String> = None;
     loop {
         let spoke = std::sync::atomic::AtomicBool::new(false);
@@ -211,8 +211,7 @@ async fn follow_export(
             }
             Ok(()) => last_error = None,
         }
-        let pause = backoff.mul_f64(rand::rng().random_range(0.5..1.0));
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        let pause = backoff.next_pause(rand::random());
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
             _ = shutdown.triggered() => return,
