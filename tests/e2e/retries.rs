@@ -268,3 +268,83 @@ async fn an_apps_own_5xx_is_never_retried() {
     assert_eq!(app_errors, 3, "the app's 500s were retried away");
     assert_eq!(retried(&metrics(client.addr("admin")).await), 0.0);
 }
+
+#[tokio::test]
+async fn the_default_budget_is_a_fifth_of_requests_plus_ten_a_second() {
+    // Every replica's app is dead: each request fails before an app sees
+    // it, and could be retried twice (on the two other replicas). The
+    // default budget (ratio 0.2, 10/s over 10 s) allows 0.2 × requests +
+    // 100 retries in the window; a retry with nowhere to go costs nothing.
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    let mut sidecars = Vec::new();
+    for i in 0..3 {
+        let dead = scratch
+            .proxy(
+                &format!("dead-{i}"),
+                control.addr("grpc"),
+                Some(free_port()),
+                &[],
+            )
+            .await;
+        scratch.endpoint(&format!("web-{i}"), "web", dead.addr("inbound"), true);
+        sidecars.push(dead);
+    }
+    // A short fail-fast timeout: a request whose retries are spent on every
+    // endpoint waits that long for discovery to offer another.
+    let client = scratch
+        .proxy(
+            "client",
+            control.addr("grpc"),
+            None,
+            &["--failfast-timeout", "0.05"],
+        )
+        .await;
+    let (outbound, web) = (client.addr("outbound"), authority("web", 8080));
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            get(outbound, &web)
+                .await
+                .proxy_error()
+                .is_some_and(|e| e.contains("app unreachable"))
+        })
+        .await
+    );
+    let started = std::time::Instant::now();
+    let before = retried(&metrics(client.addr("admin")).await);
+    let requests = 100;
+    for _ in 0..requests {
+        assert_eq!(get(outbound, &web).await.status, 502);
+    }
+    let elapsed = started.elapsed();
+    let m = metrics(client.addr("admin")).await;
+    let total = metric_value(
+        &m,
+        "tether_proxy_requests_total",
+        &[("direction", "outbound")],
+    );
+    let allowance = (0.2 * total + 100.0).floor();
+    let retried_now = retried(&m);
+    if elapsed < Duration::from_secs(9) {
+        // Every request is still inside the 10 s window.
+        assert_eq!(
+            retried_now, allowance,
+            "retried {retried_now} of {total} requests (before the run: {before}): {m}"
+        );
+    } else {
+        // A slow machine: part of the window expired, which frees budget.
+        assert!(
+            retried_now >= allowance,
+            "{retried_now} < {allowance} in {elapsed:?}"
+        );
+    }
+    assert!(
+        metric_value(
+            &m,
+            "tether_proxy_retries_total",
+            &[("outcome", "budget_exhausted")]
+        ) >= (requests as f64) - allowance,
+        "{m}"
+    );
+}

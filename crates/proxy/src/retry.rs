@@ -87,6 +87,15 @@ impl RetryBudget {
         self.bucket(|b, _, _| b.1 += 1);
     }
 
+    /// Gives back a retry taken with [`Self::withdraw`] that was not sent
+    /// after all (no endpoint left to send it to).
+    pub fn refund(&self) {
+        let mut w = self.window.lock().unwrap();
+        if let Some(bucket) = w.iter_mut().rev().find(|(_, _, retries)| *retries > 0) {
+            bucket.2 -= 1;
+        }
+    }
+
     /// Takes one retry from the budget, if there is one left.
     pub fn withdraw(&self) -> bool {
         self.bucket(|b, retries, allowance| {
@@ -129,6 +138,10 @@ mod tests {
         // 0.5 × 10 requests + 2 = 7 in all; 2 are spent.
         let granted = (0..10).filter(|_| budget.withdraw()).count();
         assert_eq!(granted, 5);
+        // A retry that was not sent is given back, once.
+        budget.refund();
+        assert!(budget.withdraw());
+        assert!(!budget.withdraw());
     }
 
     #[test]

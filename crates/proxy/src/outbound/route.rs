@@ -123,7 +123,10 @@ impl Outbound {
                 // offer others — e.g. another cluster taking over.
                 match self.new_endpoints(&svc, &ctx.tried).await {
                     Some(eps) => ctx.endpoints = eps,
-                    None => return attempt,
+                    None => {
+                        budget.refund();
+                        return attempt;
+                    }
                 }
             }
             self.metrics.retry(authority, "retried");
