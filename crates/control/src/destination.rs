@@ -628,10 +628,10 @@ impl DestinationService {
                 .map(|b| RetryBudget {
                     retry_ratio: b.ratio,
                     min_retries_per_second: b.min_per_second,
-                    ttl: Some(prost_types::Duration {
-                        seconds: 10,
-                        nanos: 0,
-                    }),
+                    ttl: prost_types::Duration::try_from(
+                        tether_core::registry::RETRY_BUDGET_WINDOW,
+                    )
+                    .ok(),
                 }),
             routes: service
                 .as_ref()

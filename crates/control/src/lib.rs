@@ -27,4 +27,4 @@ pub mod registry;
 pub mod server;
 
 pub use registry::source::RegistrySource;
-pub use server::{run, ControlConfig, ControlError};
+pub use server::{run, ConfigError, ControlConfig, ControlError};

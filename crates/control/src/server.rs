@@ -61,8 +61,47 @@ pub struct ControlConfig {
     pub max_subscriptions: usize,
 }
 
+impl ControlConfig {
+    /// The shortest audit interval: audits walk every subscription.
+    pub const MIN_AUDIT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
+    /// The shortest leaf certificate lifetime Certify signs.
+    pub const MIN_LEAF_LIFETIME: std::time::Duration = std::time::Duration::from_secs(1);
+
+    /// Checks what flags alone cannot: the cluster name, and the lower
+    /// bounds of the audit interval and leaf lifetime.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(cluster) = &self.cluster {
+            if !tether_core::authority::is_dns_label(cluster) {
+                return Err(ConfigError::ClusterName(
+                    tether_core::truncate::for_log(cluster).to_string(),
+                ));
+            }
+        }
+        if self.audit_interval < Self::MIN_AUDIT_INTERVAL {
+            return Err(ConfigError::AuditInterval);
+        }
+        if self.leaf_lifetime < Self::MIN_LEAF_LIFETIME {
+            return Err(ConfigError::LeafLifetime);
+        }
+        Ok(())
+    }
+}
+
+/// A [`ControlConfig`] the control plane refuses to run with.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("--cluster {0} is not a valid cluster name")]
+    ClusterName(String),
+    #[error("--audit-interval must be at least 0.01 s")]
+    AuditInterval,
+    #[error("--identity-leaf-lifetime must be at least 1 second")]
+    LeafLifetime,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error(transparent)]
     Bind(#[from] tether_admin::BindError),
     #[error(transparent)]
@@ -84,6 +123,7 @@ pub enum ControlError {
 /// shows before a listener binds; discovery is answered only after the
 /// registry's first full load.
 pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), ControlError> {
+    config.validate()?;
     let backend = config.registry.connect().await?;
     let identity_metrics = IdentityMetrics::default();
     let identity = match &config.identity_dir {
@@ -344,7 +384,49 @@ fn release_free_memory() {
 
 #[cfg(test)]
 mod tests {
-    use super::Trim;
+    use super::*;
+
+    fn config() -> ControlConfig {
+        ControlConfig {
+            registry: RegistrySource::Directory {
+                path: "registry".into(),
+                max_file_bytes: 1,
+            },
+            token_audience: "tether.io".into(),
+            grpc_addr: "127.0.0.1:0".parse().unwrap(),
+            admin_addr: "127.0.0.1:0".parse().unwrap(),
+            cluster_domain: "cluster.local".into(),
+            identity_dir: None,
+            leaf_lifetime: ControlConfig::MIN_LEAF_LIFETIME,
+            audit_interval: ControlConfig::MIN_AUDIT_INTERVAL,
+            cluster: Some("east".into()),
+            multicluster: MulticlusterConfig::default(),
+            max_subscriptions: 1,
+        }
+    }
+
+    #[test]
+    fn a_bad_cluster_name_and_too_short_intervals_are_refused() {
+        assert_eq!(config().validate(), Ok(()));
+        let bad = ControlConfig {
+            cluster: Some("East_1".into()),
+            ..config()
+        };
+        assert_eq!(
+            bad.validate().unwrap_err().to_string(),
+            "--cluster \"East_1\" is not a valid cluster name"
+        );
+        let bad = ControlConfig {
+            audit_interval: std::time::Duration::from_millis(9),
+            ..config()
+        };
+        assert_eq!(bad.validate(), Err(ConfigError::AuditInterval));
+        let bad = ControlConfig {
+            leaf_lifetime: std::time::Duration::from_millis(999),
+            ..config()
+        };
+        assert_eq!(bad.validate(), Err(ConfigError::LeafLifetime));
+    }
 
     #[test]
     fn memory_is_trimmed_after_a_large_drop_only() {

@@ -157,6 +157,11 @@ impl ServiceDoc {
     }
 }
 
+/// The window over which a retry budget counts requests and retries. A
+/// registry sets only the ratio and the floor; the control plane sends this
+/// window with them, and proxies use it for their own default budget.
+pub const RETRY_BUDGET_WINDOW: Duration = Duration::from_secs(10);
+
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetryBudget {

@@ -32,6 +32,39 @@ pub struct DemoConfig {
     pub error_rate: f64,
 }
 
+impl DemoConfig {
+    /// A demo app answering with `latency_ms` of added latency and failing
+    /// `error_rate` (0 to 1) of requests.
+    pub fn new(
+        service: String,
+        replica: String,
+        latency_ms: f64,
+        error_rate: f64,
+    ) -> Result<Self, DemoConfigError> {
+        let latency = (latency_ms >= 0.0)
+            .then(|| Duration::try_from_secs_f64(latency_ms / 1000.0).ok())
+            .flatten()
+            .ok_or(DemoConfigError::Latency)?;
+        if !(0.0..=1.0).contains(&error_rate) {
+            return Err(DemoConfigError::ErrorRate);
+        }
+        Ok(Self {
+            service,
+            replica,
+            latency,
+            error_rate,
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DemoConfigError {
+    #[error("--latency-ms must be at least 0")]
+    Latency,
+    #[error("--error-rate must be between 0 and 1")]
+    ErrorRate,
+}
+
 struct State {
     service: String,
     replica: String,
@@ -251,4 +284,24 @@ async fn grpc(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         parts.headers.insert(REPLICA_HEADER, v);
     }
     Response::from_parts(parts, body.map_err(|e| Box::new(e) as _).boxed_unsync())
+}
+
+#[cfg(test)]
+mod config_tests {
+    use super::*;
+
+    #[test]
+    fn latency_and_error_rate_are_checked() {
+        let new = |latency_ms, error_rate| {
+            DemoConfig::new("web".into(), "web-0".into(), latency_ms, error_rate)
+        };
+        let ok = new(2.5, 1.0).unwrap();
+        assert_eq!(ok.latency, Duration::from_micros(2500));
+        for latency in [-1.0, f64::NAN, f64::INFINITY] {
+            assert_eq!(new(latency, 0.0).err(), Some(DemoConfigError::Latency));
+        }
+        for rate in [-0.1, 1.5, f64::NAN] {
+            assert_eq!(new(0.0, rate).err(), Some(DemoConfigError::ErrorRate));
+        }
+    }
 }

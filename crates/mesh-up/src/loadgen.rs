@@ -63,6 +63,17 @@ pub struct LoadSpec {
     pub concurrency: usize,
 }
 
+impl LoadSpec {
+    /// Refuses a rate that is not above 0 (an open loop that would never
+    /// send).
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if let Some(rate) = self.rate {
+            anyhow::ensure!(rate > 0.0, "--rate must be above 0");
+        }
+        Ok(())
+    }
+}
+
 /// What a run measured. Latencies are in microseconds.
 #[derive(Clone)]
 pub struct LoadReport {
@@ -310,6 +321,7 @@ impl InFlight {
 
 /// Runs one load spec until its duration passes or `stop` fires.
 pub async fn run(spec: LoadSpec, stop: Shutdown) -> anyhow::Result<LoadReport> {
+    spec.validate()?;
     run_with_grace(spec, stop, ANSWER_GRACE).await
 }
 
@@ -448,6 +460,23 @@ mod tests {
             }
         });
         addr
+    }
+
+    #[tokio::test]
+    async fn a_rate_not_above_zero_is_refused_before_connecting() {
+        for rate in [0.0, -1.0, f64::NAN] {
+            let spec = LoadSpec {
+                connect: "127.0.0.1:9".parse().unwrap(),
+                authority: "web".into(),
+                path: "/".into(),
+                protocol: LoadProtocol::Http1,
+                rate: Some(rate),
+                duration: Duration::from_secs(1),
+                concurrency: 1,
+            };
+            let err = run(spec, Shutdown::default()).await.err().unwrap();
+            assert_eq!(err.to_string(), "--rate must be above 0");
+        }
     }
 
     #[tokio::test]

@@ -34,7 +34,7 @@ impl Default for BudgetSpec {
         Self {
             ratio: 0.2,
             min_per_second: 10.0,
-            ttl: Duration::from_secs(10),
+            ttl: tether_core::registry::RETRY_BUDGET_WINDOW,
         }
     }
 }
