@@ -543,3 +543,67 @@ async fn a_service_sets_its_own_response_timeout() {
     assert_eq!(a.status, 504, "{}", a.body);
     assert_eq!(a.proxy_error(), Some("response timeout after 500ms"));
 }
+
+#[tokio::test]
+async fn http2_streams_to_a_slow_app_cannot_take_the_fds_of_readiness() {
+    // One client connection, many concurrent streams, each asking to reach
+    // the app as HTTP/1 (one app connection per request in flight).
+    let scratch = Scratch::new();
+    let control = scratch.control().await;
+    let app = scratch.demo_app("slow-0", 5_000).await;
+    let grpc = control.addr("grpc").to_string();
+    let app_addr = app.addr("http").to_string();
+    let server = proxy_with_fd_limit(
+        &scratch,
+        "server",
+        256,
+        &[
+            "proxy",
+            "--control",
+            &grpc,
+            "--outbound",
+            "127.0.0.1:0",
+            "--inbound",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--app",
+            &app_addr,
+        ],
+        &["outbound", "inbound", "admin"],
+    )
+    .await;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let stream = tokio::net::TcpStream::connect(server.addr("inbound"))
+            .await
+            .unwrap();
+        let (s, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(stream),
+        )
+        .await
+        .unwrap();
+        tokio::spawn(conn);
+        for _ in 0..190 {
+            let mut s = s.clone();
+            held.push(tokio::spawn(async move {
+                let req = http::Request::get("http://web/")
+                    .header("tether-orig-proto", "HTTP/1.1")
+                    .body(http_body_util::Empty::<bytes::Bytes>::new())
+                    .unwrap();
+                let _ = s.send_request(req).await;
+            }));
+        }
+    }
+    // While those wait on the slow app, readiness still answers.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (status, body) =
+        tokio::time::timeout(Duration::from_secs(4), ready_body(server.addr("admin")))
+            .await
+            .expect("/ready answers while streams hold the app connections");
+    assert_eq!(status, 200, "{body}");
+    for h in held {
+        h.abort();
+    }
+}

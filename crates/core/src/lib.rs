@@ -10,6 +10,7 @@
 //!   client can repeat at will.
 //! - [`truncate`]: bounded echoes of untrusted input (a prefix plus the
 //!   length), for every log line, error and operator output that quotes it.
+//! - [`yaml`]: YAML anchors and aliases refused before parsing (alias bombs).
 //! - [`prom`]: a small reader of the Prometheus text format, for the operator
 //!   tools that scrape Tether's own admin endpoints.
 
@@ -21,3 +22,4 @@ pub mod log_limit;
 pub mod prom;
 pub mod registry;
 pub mod truncate;
+pub mod yaml;

@@ -235,6 +235,10 @@ pub struct DocumentError {
 /// Parses every YAML document of one registry file, rejecting the file as a
 /// whole if any document is invalid (a half-valid file is never served).
 pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
+    crate::yaml::refuse_anchors(text).map_err(|message| DocumentError {
+        document: 1,
+        message,
+    })?;
     let mut docs = Vec::new();
     for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let document = i + 1;

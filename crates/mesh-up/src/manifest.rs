@@ -230,6 +230,7 @@ impl Manifest {
                 text.len()
             )));
         }
+        tether_core::yaml::refuse_anchors(text).map_err(err)?;
         let m: Manifest = serde_yaml::from_str(text).map_err(|e| ManifestError {
             source_name: source_name.to_string(),
             message: bounded_message(e),

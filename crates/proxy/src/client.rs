@@ -22,6 +22,10 @@ use crate::tls::Connector;
 
 /// Idle HTTP/1 connections kept per endpoint.
 const MAX_IDLE_H1: usize = 32;
+/// HTTP/1 connections open per endpoint, busy or idle. HTTP/1 carries one
+/// request at a time, so without a cap one client's HTTP/2 streams (or a
+/// slow app) would open a connection — an fd — per request.
+pub const MAX_H1: usize = 100;
 
 type H2 = (http2::SendRequest<Body>, bool);
 type H1Pool = Arc<Mutex<Vec<(http1::SendRequest<Body>, bool)>>>;
@@ -40,6 +44,8 @@ pub struct EndpointClient {
     connector: Arc<Connector>,
     h2: Mutex<H2Slot>,
     h1_idle: H1Pool,
+    /// Permits for HTTP/1 connections; each is held by its connection task.
+    h1_open: Arc<tokio::sync::Semaphore>,
 }
 
 enum Kind {
@@ -84,6 +90,7 @@ impl EndpointClient {
             connector,
             h2: Mutex::new(H2Slot::Empty),
             h1_idle: Arc::default(),
+            h1_open: Arc::new(tokio::sync::Semaphore::new(MAX_H1)),
         }
     }
 
@@ -120,11 +127,20 @@ impl EndpointClient {
                 });
             }
         }
+        // Wait (as long as a connect may take) for a connection to free up.
+        let permit = tokio::time::timeout(
+            self.connector.connect_timeout,
+            self.h1_open.clone().acquire_owned(),
+        )
+        .await
+        .map_err(|_| format!("{MAX_H1} HTTP/1 connections to {} are all busy", self.addr))?
+        .map_err(|e| e.to_string())?;
         let (io, tls) = self.connect_stream().await?;
         let (sender, conn) = http1::handshake(TokioIo::new(io))
             .await
             .map_err(|e| e.to_string())?;
         tokio::spawn(async move {
+            let _permit = permit;
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "HTTP/1 connection ended");
             }

@@ -33,9 +33,29 @@ pub const CLIENT_ID: &str = "tether-client-id";
 /// drop it for them).
 pub const MESH_ASSERTED: &[&str] = &[CLIENT_ID];
 
+/// Removes mesh-asserted headers, and any spelling an app could read as
+/// one: CGI and WSGI turn `tether_client_id` into the same variable as
+/// `tether-client-id`.
 pub fn strip_mesh_asserted(headers: &mut HeaderMap) {
-    for name in MESH_ASSERTED {
-        headers.remove(*name);
+    let spelled_alike = |name: &HeaderName| {
+        let name = name.as_str();
+        name.contains('_')
+            && MESH_ASSERTED
+                .iter()
+                .any(|m| name.len() == m.len() && name.replace('_', "-") == *m)
+    };
+    let lookalikes: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| spelled_alike(n))
+        .cloned()
+        .collect();
+    for name in MESH_ASSERTED
+        .iter()
+        .copied()
+        .map(HeaderName::from_static)
+        .chain(lookalikes)
+    {
+        headers.remove(name);
     }
 }
 
@@ -216,6 +236,27 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 2, "{h:?}");
         assert!(h.contains_key("x-kept") && h.contains_key(header::TE));
+    }
+
+    #[test]
+    fn mesh_asserted_headers_go_in_every_spelling() {
+        let mut h = HeaderMap::new();
+        for name in [
+            "tether-client-id",
+            "tether_client_id",
+            "Tether_Client-ID",
+            "x-kept",
+            "tether_client_idx",
+        ] {
+            h.append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_static("admin"),
+            );
+        }
+        strip_mesh_asserted(&mut h);
+        let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        left.sort();
+        assert_eq!(left, ["tether_client_idx", "x-kept"]);
     }
 
     #[test]

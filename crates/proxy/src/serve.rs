@@ -37,6 +37,9 @@ use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use crate::http::Body;
 use crate::metrics::ProxyMetrics;
 
+/// Concurrent HTTP/2 streams per client connection.
+const MAX_STREAMS: u32 = 100;
+
 /// File descriptors kept out of the connection cap's reach: the admin
 /// listener, discovery and identity streams, logs.
 const RESERVED_FDS: usize = 64;
@@ -274,6 +277,7 @@ where
     builder
         .http2()
         .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS)
         .max_header_list_size(64 * 1024);
     let conn = builder.serve_connection(TokioIo::new(io), svc).into_owned();
     tokio::pin!(conn);

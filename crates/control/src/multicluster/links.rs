@@ -121,6 +121,7 @@ pub fn parse_file(text: &str, source_name: &str) -> Result<Vec<Link>, LinkError>
         source_name: source_name.to_string(),
         message,
     };
+    tether_core::yaml::refuse_anchors(text).map_err(err)?;
     let file: LinksFile = serde_yaml::from_str(text).map_err(|e| err(e.to_string()))?;
     for (i, l) in file.links.iter().enumerate() {
         l.validate().map_err(|m| err(format!("links[{i}]: {m}")))?;
