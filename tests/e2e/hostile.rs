@@ -607,3 +607,69 @@ async fn http2_streams_to_a_slow_app_cannot_take_the_fds_of_readiness() {
         h.abort();
     }
 }
+
+#[tokio::test]
+async fn the_response_timeout_starts_when_the_request_has_been_sent() {
+    // An app that answers once it has read the whole body; the client
+    // takes three response timeouts to upload it.
+    let scratch = Scratch::new();
+    scratch.service("upload", 8080, false);
+    let app = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app_addr = app.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = app.accept().await {
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 1024];
+                // Headers, then 10 bytes of body.
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 {
+                        return;
+                    }
+                    seen.extend_from_slice(&buf[..n]);
+                    if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                        if seen.len() >= end + 4 + 10 {
+                            break;
+                        }
+                    }
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+            });
+        }
+    });
+    scratch.endpoint("upload-0", "upload", app_addr, false);
+    let control = scratch.control().await;
+    let client = scratch
+        .proxy(
+            "client",
+            control.addr("grpc"),
+            None,
+            &["--response-timeout", "1"],
+        )
+        .await;
+    let mut conn = tokio::net::TcpStream::connect(client.addr("outbound"))
+        .await
+        .unwrap();
+    conn.write_all(
+        format!(
+            "POST / HTTP/1.1\r\nhost: {}\r\ncontent-length: 10\r\n\r\n",
+            authority("upload", 8080)
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        conn.write_all(b"x").await.unwrap();
+    }
+    let mut answer = vec![0u8; 1024];
+    let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut answer))
+        .await
+        .expect("an answer")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}

@@ -299,11 +299,13 @@ impl SentState {
             self.endpoints.remove(a);
         }
         let removed = removed.into_iter().map(TcpAddress::from).collect();
-        let (batches, _) = batched(removed, |addrs| {
+        // Adds go first, Removes after: a client that publishes what it has
+        // between two messages never sees a set emptied by a replacement.
+        let (removes, _) = batched(removed, |addrs| {
             update::Update::Remove(api::AddrSet { addrs })
         });
-        out.extend(batches);
         if snap.endpoints.is_empty() {
+            out.extend(removes);
             if self.no_endpoints != Some(snap.exists) {
                 self.no_endpoints = Some(snap.exists);
                 out.push(Update {
@@ -337,6 +339,7 @@ impl SentState {
             })
         });
         out.extend(batches);
+        out.extend(removes);
         if let Some(first) = oversized.first() {
             // Recorded as sent all the same: re-sending would fail the same way.
             tracing::warn!(
@@ -752,10 +755,12 @@ mod tests {
         );
         assert_eq!(kinds(&sent.diff(&snap(true, &[]), &key)), ["none:true"]);
         assert_eq!(kinds(&sent.diff(&snap(true, &[1, 2, 3]), &key)), ["add3"]);
-        // Skipping states (a slow subscriber) still lands on the latest one.
+        // Skipping states (a slow subscriber) still lands on the latest one;
+        // what is added goes out before what is removed, so a client never
+        // holds an emptied set in between.
         assert_eq!(
             kinds(&sent.diff(&snap(true, &[3, 4]), &key)),
-            ["remove2", "add1"]
+            ["add1", "remove2"]
         );
         assert!(sent.matches(&snap(true, &[3, 4])));
         assert_eq!(

@@ -46,6 +46,9 @@ const DETECT_TIMEOUT: Duration = Duration::from_secs(10);
 const TLS_HANDSHAKE: u8 = 0x16;
 /// Refused connections are counted one by one but logged at most this often.
 static REFUSAL_LOG: LogLimit = LogLimit::new(Duration::from_secs(5));
+/// Failed requests (the app unreachable) are counted in the request
+/// metrics; the log says it is happening at most this often.
+static FAILURE_LOG: LogLimit = LogLimit::new(Duration::from_secs(5));
 
 /// Why a connection to a port that is not declared opaque was refused.
 enum Refusal {
@@ -294,7 +297,9 @@ impl Inbound {
                 Response::from_parts(parts, body.boxed())
             }
             Err(e) => {
-                tracing::warn!(error = %e, "inbound request failed");
+                if let Some(suppressed) = FAILURE_LOG.allow() {
+                    tracing::warn!(error = %e, suppressed, "inbound request failed");
+                }
                 error_response(&e, grpc)
             }
         };

@@ -10,7 +10,6 @@ use std::time::Instant;
 
 use http::{Request, Response, Version};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
 use super::service::Service;
 use super::{Outbound, CONNECT_ATTEMPTS};
@@ -127,7 +126,7 @@ impl Outbound {
     pub(super) async fn send(
         &self,
         client: &EndpointClient,
-        req: Request<Incoming>,
+        req: Request<Body>,
         authority: &str,
         carry_http1: bool,
     ) -> Result<(Response<Body>, bool), ProxyError> {
@@ -146,7 +145,7 @@ impl Outbound {
             .await
             .map_err(|reason| ProxyError::Connect { addr, reason })?;
         let tls = conn.tls;
-        let req = rewrite_for_hop(parts, body.boxed(), authority, proto, carry_http1);
+        let req = rewrite_for_hop(parts, body, authority, proto, carry_http1);
         let rsp = conn.send(req).await.map_err(|e| ProxyError::Upstream {
             addr,
             reason: e.to_string(),

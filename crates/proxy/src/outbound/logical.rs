@@ -6,8 +6,9 @@
 use std::time::{Duration, Instant};
 
 use http::{Method, Request, Response};
-use hyper::body::Incoming;
-use tokio::sync::watch;
+use http_body_util::BodyExt;
+use hyper::body::{Body as _, Incoming};
+use tokio::sync::{oneshot, watch};
 
 use super::service::effective_timeout;
 use super::Outbound;
@@ -53,8 +54,9 @@ impl Outbound {
             Ok(authority) => {
                 let svc = self.service(&authority);
                 let profile = svc.response_timeout();
+                let (req, sent) = notify_when_sent(req);
                 let routed = self.route(svc, &authority, req, absolute);
-                let result = self.within_response_timeout(routed, profile, start).await;
+                let result = self.within_response_timeout(routed, profile, sent).await;
                 (authority, result)
             }
             Err(e) => ("".to_string(), Err(e)),
@@ -67,33 +69,97 @@ impl Outbound {
             .record_response(rsp, "outbound", label, start.elapsed(), hop)
     }
 
-    /// Bounds the time to response headers, from the request's start, by
-    /// the service's timeout — re-read when the profile arrives after the
-    /// request started. A body that streams afterwards is never cut.
+    /// Bounds the time to response headers by the service's timeout,
+    /// counted from when the request's body has been sent (an upload or a
+    /// client stream takes what it takes) — re-read when the profile
+    /// arrives after the request started. A response body that streams
+    /// afterwards is never cut.
     async fn within_response_timeout<F>(
         &self,
         routed: F,
         mut profile: watch::Receiver<Option<Duration>>,
-        start: Instant,
+        mut sent: oneshot::Receiver<()>,
     ) -> Result<(Response<Body>, Hop), ProxyError>
     where
         F: std::future::Future<Output = Result<(Response<Body>, Hop), ProxyError>>,
     {
         tokio::pin!(routed);
         let mut profile_open = true;
+        let mut sent_at: Option<Instant> = None;
         loop {
             let limit = effective_timeout(*profile.borrow_and_update(), self.response_timeout);
             let expired = async {
-                match limit {
-                    Some(l) => tokio::time::sleep_until((start + l).into()).await,
-                    None => std::future::pending().await,
+                match (limit, sent_at) {
+                    (Some(l), Some(t)) => tokio::time::sleep_until((t + l).into()).await,
+                    _ => std::future::pending().await,
                 }
             };
             tokio::select! {
                 result = &mut routed => return result,
                 _ = expired => return Err(ProxyError::ResponseTimeout(limit.unwrap_or_default())),
                 changed = profile.changed(), if profile_open => profile_open = changed.is_ok(),
+                // Sent, or dropped unsent: either way the clock runs now.
+                _ = &mut sent, if sent_at.is_none() => sent_at = Some(Instant::now()),
             }
         }
+    }
+}
+
+/// The request with a body that says when it has been read to its end.
+fn notify_when_sent(req: Request<Incoming>) -> (Request<Body>, oneshot::Receiver<()>) {
+    let (tx, rx) = oneshot::channel();
+    let req = req.map(|inner| {
+        let mut body = NotifyEnd {
+            inner,
+            sent: Some(tx),
+        };
+        body.check_end();
+        body.boxed()
+    });
+    (req, rx)
+}
+
+struct NotifyEnd {
+    inner: Incoming,
+    sent: Option<oneshot::Sender<()>>,
+}
+
+impl NotifyEnd {
+    fn check_end(&mut self) {
+        if self.inner.is_end_stream() {
+            if let Some(tx) = self.sent.take() {
+                let _ = tx.send(());
+            }
+        }
+    }
+}
+
+impl hyper::body::Body for NotifyEnd {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, hyper::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            std::task::Poll::Ready(None | Some(Err(_))) => {
+                if let Some(tx) = self.sent.take() {
+                    let _ = tx.send(());
+                }
+            }
+            std::task::Poll::Ready(Some(Ok(_))) => self.check_end(),
+            std::task::Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }

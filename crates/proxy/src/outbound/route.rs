@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use http::{Request, Response, Version};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
 use super::endpoint::Attempts;
 use super::forward::Unavailable;
@@ -36,7 +35,7 @@ impl Outbound {
         &self,
         svc: Arc<Service>,
         authority: &str,
-        req: Request<Incoming>,
+        req: Request<Body>,
         absolute: bool,
     ) -> Result<(Response<Body>, Hop), ProxyError> {
         let endpoints = match svc.ready_endpoints(self.failfast_timeout).await {
@@ -83,7 +82,7 @@ impl Outbound {
                 .to_bytes();
             (Some(bytes), None)
         } else {
-            (None, Some(body.boxed()))
+            (None, Some(body))
         };
         let mut ctx = Attempts {
             svc: &svc,
