@@ -516,20 +516,34 @@ async fn follow(
         ..Default::default()
     };
     let mut client = client(picked.channel);
-    // The call and the first update, within the first-answer timeout when
-    // another replica could answer instead.
+    // When another replica could answer instead: the call's response
+    // headers within the first-answer timeout (a hung replica never sends
+    // them), and the first update within ten times that — a large first
+    // set may take a while to arrive in batches, and is not a hung replica.
     let first = async {
-        let mut stream = client.get(req).await?.into_inner();
+        let call = client.get(req);
+        let mut stream = if picked.of > 1 {
+            tokio::time::timeout(first_answer_timeout, call)
+                .await
+                .map_err(|_| tonic::Status::deadline_exceeded("no response headers"))?
+        } else {
+            call.await
+        }?
+        .into_inner();
         let first = stream.message().await?;
         Ok::<_, tonic::Status>((stream, first))
     };
     let answer = if picked.of > 1 {
-        tokio::time::timeout(first_answer_timeout, first).await
+        match tokio::time::timeout(first_answer_timeout * 10, first).await {
+            Ok(Err(status)) if status.code() == tonic::Code::DeadlineExceeded => Err(()),
+            Ok(result) => Ok(result),
+            Err(_) => Err(()),
+        }
     } else {
         Ok(first.await)
     };
     let (mut stream, first) = match answer {
-        Err(_) => {
+        Err(()) => {
             return Ended {
                 error: StreamError::Unreachable(format!(
                     "control plane {addr} unreachable: no answer within {first_answer_timeout:?}; trying another replica"
