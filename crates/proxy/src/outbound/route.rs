@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use http::{Request, Response, Version};
 use http_body_util::BodyExt;
 
@@ -30,7 +31,63 @@ fn clone_parts(parts: &http::request::Parts) -> http::request::Parts {
     req.into_parts().0
 }
 
+/// Cleans a request's head for the mesh and says which HTTP version it
+/// had at its origin: a request that reached us over HTTP/2 from another
+/// proxy (a gateway's case) may have been HTTP/1.
+fn head_for_mesh(parts: &mut http::request::Parts) -> Version {
+    let version = if parts.headers.contains_key(ORIG_PROTO) {
+        Version::HTTP_11
+    } else {
+        parts.version
+    };
+    strip_hop_by_hop(&mut parts.headers);
+    strip_mesh_asserted(&mut parts.headers);
+    parts.headers.remove(ORIG_PROTO);
+    version
+}
+
+/// The body of a retryable request, read and kept so it can be sent again;
+/// any other body, as it is, to be sent once.
+async fn keep_if_retryable(
+    parts: &http::request::Parts,
+    body: Body,
+) -> Result<(Option<Bytes>, Option<Body>), ProxyError> {
+    let retryable = crate::retry::is_retryable(&parts.method, &parts.headers)
+        && (hyper::body::Body::is_end_stream(&body)
+            || hyper::body::Body::size_hint(&body)
+                .exact()
+                .is_some_and(|n| n <= crate::retry::MAX_BODY));
+    if !retryable {
+        return Ok((None, Some(body)));
+    }
+    let bytes = body
+        .collect()
+        .await
+        .map_err(|e| ProxyError::RequestBody(e.to_string()))?
+        .to_bytes();
+    Ok((Some(bytes), None))
+}
+
 impl Outbound {
+    /// `--control-plane-unavailable=forward`: the request goes to its
+    /// original destination when discovery cannot route it (`why`).
+    async fn forward(
+        &self,
+        authority: &str,
+        req: Request<Body>,
+        absolute: bool,
+        why: ProxyError,
+    ) -> Result<(Response<Body>, Hop), ProxyError> {
+        let Some(dst) = self.forwarder.destination(authority, absolute).await else {
+            return Err(why);
+        };
+        tracing::debug!(%authority, %dst, reason = %why, "forwarding to the original destination");
+        let client = self.forwarder.client(dst);
+        self.send(&client, req, authority, false)
+            .await
+            .map(|(rsp, _)| (rsp, Hop::default()))
+    }
+
     pub(super) async fn route(
         &self,
         svc: Arc<Service>,
@@ -43,47 +100,15 @@ impl Outbound {
             Err(e @ (ProxyError::ControlPlaneUnreachable | ProxyError::UnknownService(_)))
                 if self.unavailable == Unavailable::Forward =>
             {
-                let Some(dst) = self.forwarder.destination(authority, absolute).await else {
-                    return Err(e);
-                };
-                tracing::debug!(%authority, %dst, reason = %e, "forwarding to the original destination");
-                let client = self.forwarder.client(dst);
-                return self
-                    .send(&client, req, authority, false)
-                    .await
-                    .map(|(rsp, _)| (rsp, Hop::default()));
+                return self.forward(authority, req, absolute, e).await;
             }
             Err(e) => return Err(e),
         };
         let (mut parts, body) = req.into_parts();
-        // A request that reached us over HTTP/2 from another proxy (a
-        // gateway's case) may have been HTTP/1 at its origin.
-        let version = if parts.headers.contains_key(ORIG_PROTO) {
-            Version::HTTP_11
-        } else {
-            parts.version
-        };
-        strip_hop_by_hop(&mut parts.headers);
-        strip_mesh_asserted(&mut parts.headers);
-        parts.headers.remove(ORIG_PROTO);
+        let version = head_for_mesh(&mut parts);
         let budget = svc.retry_budget();
         budget.deposit();
-        // Keep the body of a retryable request, so it can be sent again.
-        let retryable = crate::retry::is_retryable(&parts.method, &parts.headers)
-            && (hyper::body::Body::is_end_stream(&body)
-                || hyper::body::Body::size_hint(&body)
-                    .exact()
-                    .is_some_and(|n| n <= crate::retry::MAX_BODY));
-        let (kept, mut body) = if retryable {
-            let bytes = body
-                .collect()
-                .await
-                .map_err(|e| ProxyError::RequestBody(e.to_string()))?
-                .to_bytes();
-            (Some(bytes), None)
-        } else {
-            (None, Some(body))
-        };
+        let (kept, mut body) = keep_if_retryable(&parts, body).await?;
         let mut ctx = Attempts {
             svc: &svc,
             endpoints,
