@@ -161,13 +161,7 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
     let pid = control.pid().context("control pid")?;
-    for _ in 0..600 {
-        if let Ok((200, _)) = tether_mesh_up::stats::http_get(control.addr("admin"), "/ready").await
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    tether_bench::wait_ready(control.addr("admin"), Duration::from_secs(30)).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_loaded = tether_bench::proc_usage(pid).rss_kib;
 

@@ -227,7 +227,7 @@ async fn main() -> anyhow::Result<()> {
         )?;
     }
     for p in [&server_tls, &client_tls] {
-        wait_ready(p.addr("admin")).await?;
+        tether_bench::wait_ready(p.addr("admin"), Duration::from_secs(10)).await?;
     }
     let pid = |p: &Process| p.pid().unwrap_or(0);
     let routes = [
@@ -327,16 +327,6 @@ async fn main() -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
-}
-
-async fn wait_ready(admin: std::net::SocketAddr) -> anyhow::Result<()> {
-    for _ in 0..200 {
-        if let Ok((200, _)) = tether_mesh_up::stats::http_get(admin, "/ready").await {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    bail!("proxy {admin} never became ready")
 }
 
 fn table(routes: &[Route], reports: &[(serde_json::Value, f64)], keys: [&str; 3]) {
