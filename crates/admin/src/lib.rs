@@ -162,17 +162,49 @@ pub async fn accept(listener: &TcpListener, name: &'static str) -> (TcpStream, S
     }
 }
 
-/// The connections of `listener` as a stream (for servers such as tonic
-/// that take one), with [`accept`]'s backoff on errors: tonic would retry a
-/// failing accept in a hot loop.
-pub fn incoming(
+/// The connections of an HTTP/2-only listener (gRPC) as a stream, each
+/// yielded once it has sent the whole HTTP/2 connection preface within
+/// `deadline`: a client that sends nothing, or trickles it, is closed
+/// instead of holding a connection forever (the HTTP/2 server itself has no
+/// handshake timeout). Accepting never waits for a slow client.
+pub fn incoming_h2(
     listener: TcpListener,
     name: &'static str,
+    deadline: Duration,
 ) -> impl futures::Stream<Item = std::io::Result<TcpStream>> + Send + 'static {
-    futures::stream::unfold(listener, move |listener| async move {
-        let (stream, _) = accept(&listener, name).await;
-        Some((Ok(stream), listener))
-    })
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = tokio::select! {
+                accepted = accept(&listener, name) => accepted,
+                _ = tx.closed() => return,
+            };
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 24];
+                let preface = async {
+                    loop {
+                        let n = stream.peek(&mut buf).await?;
+                        if n == 0 || buf[..n] != PREFACE[..n] {
+                            return Ok(false);
+                        }
+                        if n == PREFACE.len() {
+                            return Ok(true);
+                        }
+                        // Part of it so far: wait for more without spinning.
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                };
+                if let Ok(Ok::<_, std::io::Error>(true)) =
+                    tokio::time::timeout(deadline, preface).await
+                {
+                    let _ = tx.send(Ok(stream)).await;
+                }
+            });
+        }
+    });
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|s| (s, rx)) })
 }
 
 /// Raises the soft limit on open files to the hard limit and returns it:
@@ -322,5 +354,40 @@ mod tests {
         assert_eq!(r.missing(), vec!["registry loaded"]);
         r.set("registry loaded", true);
         assert!(r.is_ready());
+    }
+
+    #[tokio::test]
+    async fn only_clients_that_send_the_http2_preface_are_served() {
+        use futures::StreamExt;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let incoming = incoming_h2(listener, "test", Duration::from_millis(300));
+        tokio::pin!(incoming);
+        let mut silent = TcpStream::connect(addr).await.unwrap();
+        let mut trickle = TcpStream::connect(addr).await.unwrap();
+        trickle.write_all(b"PRI * HT").await.unwrap();
+        let mut garbage = TcpStream::connect(addr).await.unwrap();
+        garbage.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        let mut good = TcpStream::connect(addr).await.unwrap();
+        good.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .unwrap();
+        let served = tokio::time::timeout(Duration::from_secs(5), incoming.next())
+            .await
+            .expect("the client with a preface is served")
+            .unwrap()
+            .unwrap();
+        assert_eq!(served.peer_addr().unwrap(), good.local_addr().unwrap());
+        // The others are closed, the silent and the slow ones at the deadline.
+        for (what, conn) in [
+            ("silent", &mut silent),
+            ("trickle", &mut trickle),
+            ("garbage", &mut garbage),
+        ] {
+            let mut buf = [0u8; 8];
+            let read = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf)).await;
+            assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "{what} still open");
+        }
     }
 }

@@ -116,6 +116,12 @@ pub enum ControlError {
     Grpc(#[from] tonic::transport::Error),
 }
 
+/// How long a client may take to send the HTTP/2 preface on the gRPC port.
+const PREFACE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+/// HTTP/2 pings on idle gRPC connections, and how long an answer may take.
+const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(20);
+const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Runs the control plane until `shutdown` fires. Subscriber streams end
 /// cleanly on shutdown so proxies move to another replica.
 ///
@@ -216,9 +222,10 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     };
     let signal = shutdown.clone();
     let server = grpc_services(destination, policy, identity, diagnostics)
-        .serve_with_incoming_shutdown(tether_admin::incoming(grpc, "grpc"), async move {
-            signal.triggered().await
-        });
+        .serve_with_incoming_shutdown(
+            tether_admin::incoming_h2(grpc, "grpc", PREFACE_DEADLINE),
+            async move { signal.triggered().await },
+        );
     tokio::select! {
         res = server => res?,
         res = registry_task => registry_ended(res)?,
@@ -291,6 +298,10 @@ fn grpc_services(
     });
     tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
+        // A peer that vanished (or stopped answering) is found and its
+        // streams ended, instead of holding a connection forever.
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .add_service(
             DestinationServer::new(destination)
                 .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
