@@ -94,13 +94,7 @@ async fn a_certified_client_cannot_forge_the_client_identity() {
             &args,
         )
         .await;
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            ready_body(server.addr("admin")).await.0 == 200
-        })
-        .await,
-        "the server proxy never got its certificate"
-    );
+    wait_ready(server.addr("admin")).await;
     let tls = certified_client(control.addr("grpc"), &ca, &id("mallory")).await;
     let inbound = server.addr("inbound");
     let web = id("web");
@@ -170,20 +164,7 @@ async fn a_declared_opaque_port_forwards_bytes_and_others_do_not() {
     // The same raw bytes: refused by an HTTP inbound, forwarded byte for
     // byte by an inbound declared opaque.
     let scratch = Scratch::new();
-    let echo = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let echo_addr = echo.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = echo.accept().await {
-            tokio::spawn(async move {
-                let mut buf = [0u8; 1024];
-                while let Ok(n) = s.read(&mut buf).await {
-                    if n == 0 || s.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
+    let echo_addr = echo_server().await;
     let control = scratch.control().await;
     let http = scratch
         .proxy("http", control.addr("grpc"), Some(echo_addr), &[])

@@ -102,19 +102,6 @@ async fn get_with(
     }
 }
 
-async fn wait_ready(admin: SocketAddr) {
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            matches!(
-                tether_mesh_up::stats::http_get(admin, "/ready").await,
-                Ok((200, _))
-            )
-        })
-        .await,
-        "proxy never became ready"
-    );
-}
-
 struct TlsMesh {
     scratch: Scratch,
     ca: std::path::PathBuf,

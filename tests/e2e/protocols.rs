@@ -89,21 +89,7 @@ async fn opaque_ports_forward_raw_tcp() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let scratch = Scratch::new();
     scratch.service("db", 5432, true);
-    // A line-based echo server that speaks no HTTP.
-    let echo = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let echo_addr = echo.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = echo.accept().await {
-            tokio::spawn(async move {
-                let mut buf = [0u8; 1024];
-                while let Ok(n) = s.read(&mut buf).await {
-                    if n == 0 || s.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
+    let echo_addr = echo_server().await;
     let control = scratch.control().await;
     let server = scratch
         .proxy(

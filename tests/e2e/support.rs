@@ -501,3 +501,37 @@ pub async fn tls_get(
         version,
     })
 }
+
+/// Waits (at most 10 s) until the process at `admin` answers `/ready` 200.
+pub async fn wait_ready(admin: SocketAddr) {
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            matches!(
+                tether_mesh_up::stats::http_get(admin, "/ready").await,
+                Ok((200, _))
+            )
+        })
+        .await,
+        "{admin} never became ready"
+    );
+}
+
+/// A TCP server that echoes every byte and speaks no HTTP.
+pub async fn echo_server() -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 || s.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
