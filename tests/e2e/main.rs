@@ -22,4 +22,5 @@ mod outage;
 mod protocols;
 mod registry;
 mod retries;
+mod stat;
 mod up;

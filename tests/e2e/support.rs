@@ -535,3 +535,69 @@ pub async fn echo_server() -> SocketAddr {
     });
     addr
 }
+
+/// `tether up MANIFEST` running headless, found through the state file it
+/// writes; stopped (SIGTERM, so it cleans up) when dropped.
+pub struct LocalMesh {
+    pub child: std::process::Child,
+    pub state_path: PathBuf,
+    pub state: tether_viz::state::MeshState,
+    _dir: tempfile::TempDir,
+}
+
+impl LocalMesh {
+    /// Starts the mesh and waits for its state file: `tether up` writes it
+    /// once every proxy is ready (it gives up itself after 20 s a process).
+    pub fn start(manifest: &str, extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mesh.yaml");
+        std::fs::write(&path, manifest).unwrap();
+        let state_path = dir.path().join("state.json");
+        let mut child = std::process::Command::new(tether())
+            .args(["up", path.to_str().unwrap(), "--duration", "120"])
+            .args(["--interval", "60", "--state", state_path.to_str().unwrap()])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let state = loop {
+            if let Ok(state) = tether_viz::state::MeshState::load(&state_path) {
+                break state;
+            }
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("tether up exited ({status}) before writing its state");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        Self {
+            child,
+            state_path,
+            state,
+            _dir: dir,
+        }
+    }
+
+    pub fn proxy(&self, workload: &str) -> &tether_viz::state::ProxyState {
+        self.state
+            .proxies()
+            .map(|(_, p)| p)
+            .find(|p| p.workload == workload)
+            .unwrap_or_else(|| panic!("no proxy {workload} in {:?}", self.state))
+    }
+
+    /// SIGTERM, then waits: `tether up` stops its children and removes the
+    /// state file.
+    pub fn stop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for LocalMesh {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -7,7 +7,7 @@ mod cmd;
 use clap::{Parser, Subcommand};
 use tether_admin::Shutdown;
 
-use cmd::{control, demo, gateway, identity, ops, proxy, up};
+use cmd::{control, demo, gateway, identity, ops, proxy, stat, up};
 
 #[derive(Parser)]
 #[command(
@@ -32,6 +32,8 @@ enum Command {
     Up(up::UpArgs),
     /// Check the mesh: control planes, replicas, certificates, proxies (a hint per failure).
     Check(ops::CheckArgs),
+    /// Success rate, RPS, p50/p95/p99 latency and mTLS share per service, workload or route.
+    Stat(stat::StatArgs),
     /// Compare what control-plane replicas serve, with each other and the registry.
     Diagnostics {
         #[command(subcommand)]
@@ -75,6 +77,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Gateway(args) => args.run(shutdown).await,
         Command::Up(args) => args.run(shutdown).await,
         Command::Check(args) => args.run().await,
+        Command::Stat(args) => args.run().await,
         Command::Diagnostics { command } => command.run().await,
         Command::Install(args) => args.run(),
         Command::Inject(args) => args.run(),

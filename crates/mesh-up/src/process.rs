@@ -82,6 +82,11 @@ impl Process {
         self.addrs[what]
     }
 
+    /// A listener the process may or may not have announced.
+    pub fn try_addr(&self, what: &str) -> Option<SocketAddr> {
+        self.addrs.get(what).copied()
+    }
+
     pub fn pid(&self) -> Option<u32> {
         self.child.id()
     }

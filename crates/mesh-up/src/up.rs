@@ -25,6 +25,25 @@ use crate::loadgen::{self, LoadReport, LoadSpec};
 use crate::manifest::{ClusterSpec, Manifest};
 use crate::process::Process;
 use crate::stats;
+use tether_viz::state::{ClusterState, LinkState, MeshState, ProxyState, Role};
+
+/// Removes the state file if this process wrote it (another `tether up`
+/// may have replaced it since).
+fn remove_state(path: &Path) {
+    if MeshState::load(path).is_ok_and(|s| s.pid == std::process::id()) {
+        let _ = std::fs::remove_file(path);
+        let _ = std::fs::remove_file(MeshState::targets_path(path));
+    }
+}
+
+/// Writes the state file and, beside it, Prometheus `file_sd` targets.
+fn save_state(state: &MeshState, path: &Path) -> anyhow::Result<()> {
+    state.save(path)?;
+    let targets = MeshState::targets_path(path);
+    let tmp = targets.with_extension("tmp");
+    std::fs::write(&tmp, state.prometheus_targets().to_string())?;
+    std::fs::rename(&tmp, &targets).with_context(|| format!("writing {}", targets.display()))
+}
 
 pub struct UpConfig {
     /// The `tether` binary, to start the pieces.
@@ -36,6 +55,8 @@ pub struct UpConfig {
     pub interval: Duration,
     /// Print the summary as one JSON line too (for scripts and benchmarks).
     pub json: bool,
+    /// Where to write the mesh state file (`tether stat`, `tap`, `dashboard` read it).
+    pub state: PathBuf,
 }
 
 /// The outcome of a run: the load generator's totals.
@@ -159,9 +180,18 @@ struct Mesh {
     clusters: Vec<Cluster>,
     admins: Vec<SocketAddr>,
     table: Vec<String>,
+    /// What runs where, for the state file.
+    state: MeshState,
 }
 
 impl Mesh {
+    /// Records a proxy of the cluster started last.
+    fn add_proxy(&mut self, proxy: ProxyState) {
+        if let Some(c) = self.state.clusters.last_mut() {
+            c.proxies.push(proxy);
+        }
+    }
+
     async fn stop(&mut self) {
         // Withdraw endpoints first, so nothing is routed to a stopping replica.
         for c in &self.clusters {
@@ -273,8 +303,14 @@ pub async fn run(config: UpConfig, stop: Shutdown) -> anyhow::Result<UpOutcome> 
         clusters: Vec::new(),
         admins: Vec::new(),
         table: Vec::new(),
+        state: MeshState {
+            pid: std::process::id(),
+            cluster_domain: config.manifest.cluster_domain.clone(),
+            ..MeshState::default()
+        },
     };
     let result = start_and_run(&config, &mut mesh, &run_dir, &logs, stop).await;
+    remove_state(&config.state);
     mesh.stop().await;
     let _ = std::fs::remove_dir_all(&run_dir);
     result
@@ -382,6 +418,20 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
         control.addr("admin"),
         registry.display()
     ));
+    mesh.state.clusters.push(ClusterState {
+        name: spec.name.clone(),
+        registry: registry.clone(),
+        control_planes: vec![control.addr("admin")],
+        links: spec
+            .links
+            .iter()
+            .map(|l| LinkState {
+                cluster: l.cluster.clone(),
+                priority: l.priority,
+            })
+            .collect(),
+        proxies: Vec::new(),
+    });
     mesh.processes.push(control);
 
     if multicluster {
@@ -410,6 +460,16 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
             gateway.addr("admin")
         ));
         mesh.admins.push(gateway.addr("admin"));
+        mesh.add_proxy(ProxyState {
+            identity: Some(gateway_identity.clone()),
+            tap: gateway.try_addr("tap"),
+            ..ProxyState::new(
+                format!("{prefix}gateway"),
+                "tether".into(),
+                Role::Gateway,
+                gateway.addr("admin"),
+            )
+        });
         mesh.processes.push(gateway);
     }
 
@@ -423,6 +483,8 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
             "--inbound".into(),
             any.clone(),
             "--admin".into(),
+            any.clone(),
+            "--tap".into(),
             any.clone(),
         ];
         if let Some(app) = app {
@@ -472,11 +534,24 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
                 .spawn(
                     &format!("{replica}-proxy"),
                     &sidecar_args,
-                    &["outbound", "inbound", "admin"],
+                    &["outbound", "inbound", "admin", "tap"],
                 )
                 .await?;
             let inbound = proxy.addr("inbound");
             mesh.admins.push(proxy.addr("admin"));
+            mesh.add_proxy(ProxyState {
+                service: Some(s.name.clone()),
+                outbound: Some(proxy.addr("outbound")),
+                inbound: Some(proxy.addr("inbound")),
+                tap: proxy.try_addr("tap"),
+                identity: ctx.identity.as_ref().map(|_| id_name.clone()),
+                ..ProxyState::new(
+                    replica.clone(),
+                    ns.to_string(),
+                    Role::Sidecar,
+                    proxy.addr("admin"),
+                )
+            });
             mesh.table.push(format!(
                 "  {:<30} app {:<21} proxy inbound {:<21} admin http://{}/metrics",
                 format!("{ns}/{replica}"),
@@ -506,7 +581,7 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
         .spawn(
             &format!("{prefix}loadgen-proxy"),
             &proxy_args(None, &client_id)?,
-            &["outbound", "admin"],
+            &["outbound", "admin", "tap"],
         )
         .await?;
     mesh.table.push(format!(
@@ -516,6 +591,17 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
         client.addr("admin")
     ));
     mesh.admins.push(client.addr("admin"));
+    mesh.add_proxy(ProxyState {
+        outbound: Some(client.addr("outbound")),
+        tap: client.try_addr("tap"),
+        identity: ctx.identity.as_ref().map(|_| client_id.clone()),
+        ..ProxyState::new(
+            format!("{prefix}loadgen"),
+            m.namespace.clone(),
+            Role::Client,
+            client.addr("admin"),
+        )
+    });
     let client_outbound = client.addr("outbound");
     mesh.processes.push(client);
     mesh.clusters.push(Cluster {
@@ -595,6 +681,11 @@ async fn start_and_run(
         None => println!("  identity: off (plaintext between proxies)"),
     }
     println!("  logs:     {}", logs.display());
+    save_state(&mesh.state, &config.state)?;
+    println!(
+        "  state:    {} (read by `tether stat`, `tether tap`, `tether dashboard`)",
+        config.state.display()
+    );
     for line in &mesh.table {
         println!("  {line}");
     }

@@ -35,6 +35,8 @@ pub struct BootstrapConfig {
     pub drain_timeout: Duration,
     pub discovery: DiscoverySettings,
     pub serve: ServeConfig,
+    /// The tap API (`tether tap`); off when `None`.
+    pub tap: Option<crate::tap::TapConfig>,
 }
 
 /// The pieces a process builds its listeners from.
@@ -56,6 +58,8 @@ pub struct Background {
     registry: Registry,
     admin: TcpListener,
     identity: Option<(IdentityConfig, Arc<CertStore>, IdentityMetrics)>,
+    tap: Option<(TcpListener, crate::tap::TapConfig, crate::tap::Tap)>,
+    server_tls: Option<Arc<ServerConfig>>,
 }
 
 impl Bootstrap {
@@ -94,19 +98,29 @@ impl Bootstrap {
             tls: client_tls,
         });
         let limits = ServeLimits::new(&config.serve, config.drain_timeout, metrics.clone());
+        let tap = match &config.tap {
+            Some(tap) => Some((
+                bind("tap", tap.listen).await?,
+                tap.clone(),
+                metrics.tap.clone(),
+            )),
+            None => None,
+        };
         let admin = bind("admin", config.admin).await?;
         Ok(Self {
             discovery,
             metrics,
             readiness,
             connector,
-            server_tls,
+            server_tls: server_tls.clone(),
             limits,
             background: Background {
                 controls,
                 registry,
                 admin,
                 identity,
+                tap,
+                server_tls,
             },
         })
     }
@@ -124,6 +138,15 @@ impl Background {
                 store,
                 readiness.clone(),
                 metrics,
+                shutdown.clone(),
+            ));
+        }
+        if let Some((listener, config, tap)) = self.tap {
+            tokio::spawn(crate::tap::serve(
+                listener,
+                tap,
+                config,
+                self.server_tls,
                 shutdown.clone(),
             ));
         }

@@ -166,6 +166,8 @@ impl Inbound {
                         Hop {
                             tls: true,
                             client_id,
+                            peer: Some(peer),
+                            ..Hop::default()
                         },
                     ),
                     Err(e) => {
@@ -184,7 +186,14 @@ impl Inbound {
                 }
                 return;
             }
-            _ => (Box::new(stream), first, Hop::default()),
+            _ => (
+                Box::new(stream),
+                first,
+                Hop {
+                    peer: Some(peer),
+                    ..Hop::default()
+                },
+            ),
         };
         if self.opaque {
             let silent = !hop.tls && read.is_empty();
@@ -239,6 +248,7 @@ impl Inbound {
 
     async fn handle(&self, req: Request<Incoming>, hop: &Hop) -> Response<Body> {
         let start = Instant::now();
+        let tapped = self.metrics.tap.request(&req);
         let grpc = is_grpc(req.headers());
         let authority = request_authority(&req).unwrap_or_else(|| self.app.to_string());
         if req.method() == http::Method::CONNECT {
@@ -303,8 +313,14 @@ impl Inbound {
                 error_response(&e, grpc)
             }
         };
-        self.metrics
-            .record_response(rsp, "inbound", authority, start.elapsed(), hop.clone())
+        self.metrics.record_tapped_response(
+            rsp,
+            "inbound",
+            authority,
+            start.elapsed(),
+            hop.clone(),
+            tapped,
+        )
     }
 
     async fn forward_tcp(&self, mut client: BoxedIo, prefix: Bytes, peer: SocketAddr) {

@@ -40,6 +40,8 @@
 //! - [`classify`]: counts a response once its outcome is known (gRPC's
 //!   status comes in the trailers).
 //! - [`metrics`]: request counts, latency histograms, open connections.
+//! - [`tap`]: the tap API, a live and bounded stream of the requests the
+//!   proxy handles (`tether tap`).
 
 pub mod balance;
 pub mod bootstrap;
@@ -59,6 +61,7 @@ pub mod outbound;
 pub mod retry;
 pub mod serve;
 pub mod sidecar;
+pub mod tap;
 pub mod tls;
 
 pub use sidecar::{run, ProxyConfig};

@@ -37,10 +37,14 @@ pub struct ReasonLabels {
 }
 
 /// What is known about the hop a request took.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct Hop {
     pub tls: bool,
     pub client_id: Option<std::sync::Arc<str>>,
+    /// The client (inbound), for tap.
+    pub peer: Option<std::net::SocketAddr>,
+    /// The endpoint the request went to (outbound), for tap.
+    pub endpoint: Option<std::sync::Arc<crate::balance::EndpointHandle>>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -88,6 +92,7 @@ pub struct ProxyMetrics {
     pub discovery_endpoints: Family<AuthorityLabels, Gauge>,
     pub discovery_evictions: Family<ReasonLabels, Counter>,
     pub retries: Family<RetryLabels, Counter>,
+    pub tap: crate::tap::Tap,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -115,6 +120,7 @@ impl Default for ProxyMetrics {
             discovery_endpoints: Family::default(),
             discovery_evictions: Family::default(),
             retries: Family::default(),
+            tap: crate::tap::Tap::default(),
         }
     }
 }
@@ -196,6 +202,7 @@ impl ProxyMetrics {
             "Subscriptions dropped, by reason (idle, rejected: the control plane refused the authority, lru: room for another past the limit)",
             self.discovery_evictions.clone(),
         );
+        self.tap.register(registry);
     }
 
     pub fn retry(&self, authority: &str, outcome: &str) {
@@ -251,6 +258,21 @@ impl ProxyMetrics {
         latency: std::time::Duration,
         hop: Hop,
     ) -> http::Response<crate::http::Body> {
+        self.record_tapped_response(rsp, direction, authority, latency, hop, None)
+    }
+
+    /// [`Self::record_response`], also reporting a tapped request.
+    pub fn record_tapped_response(
+        &self,
+        rsp: http::Response<crate::http::Body>,
+        direction: &'static str,
+        authority: String,
+        latency: std::time::Duration,
+        hop: Hop,
+        tapped: Option<crate::tap::TapRequest>,
+    ) -> http::Response<crate::http::Body> {
+        let tap_end =
+            tapped.and_then(|t| t.respond(&self.tap, direction, &authority, rsp.status(), &hop));
         self.latency
             .get_or_create(&RouteLabels {
                 direction: direction.into(),
@@ -259,7 +281,10 @@ impl ProxyMetrics {
             .observe(latency.as_secs_f64());
         let metrics = self.clone();
         crate::classify::classify(rsp, move |class| {
-            metrics.count(direction, &authority, class, &hop)
+            metrics.count(direction, &authority, class, &hop);
+            if let Some(end) = tap_end {
+                end.finish(class);
+            }
         })
     }
 

@@ -84,6 +84,18 @@ pub struct BootstrapArgs {
     pub drain_timeout: Duration,
     #[command(flatten)]
     pub serve: ServeArgs,
+    /// Serve the tap API (`tether tap`) on this address; off without it.
+    /// Loopback peers may tap; others only over mTLS as --tap-allow-identity.
+    #[arg(long)]
+    pub tap: Option<std::net::SocketAddr>,
+    /// An identity allowed to tap from elsewhere than loopback (repeatable).
+    #[arg(long, requires = "tap")]
+    pub tap_allow_identity: Vec<String>,
+    /// A header whose value taps may see (repeatable; replaces the default
+    /// list content-type, user-agent, grpc-status). Other values show as
+    /// [redacted].
+    #[arg(long, requires = "tap")]
+    pub tap_header: Vec<String>,
 }
 
 impl BootstrapArgs {
@@ -102,6 +114,17 @@ impl BootstrapArgs {
             drain_timeout: self.drain_timeout,
             discovery,
             serve: self.serve.serve_config(),
+            tap: self.tap.map(|listen| tether_proxy::tap::TapConfig {
+                listen,
+                allowed_identities: self.tap_allow_identity,
+                headers: if self.tap_header.is_empty() {
+                    tether_proxy::tap::DEFAULT_HEADERS
+                        .map(String::from)
+                        .to_vec()
+                } else {
+                    self.tap_header
+                },
+            }),
         }
     }
 }

@@ -10,4 +10,5 @@ pub mod gateway;
 pub mod identity;
 pub mod ops;
 pub mod proxy;
+pub mod stat;
 pub mod up;

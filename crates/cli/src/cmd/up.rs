@@ -29,6 +29,10 @@ pub struct UpArgs {
     /// Also print the summary as a JSON line (`summary-json {...}`).
     #[arg(long)]
     json: bool,
+    /// Where to write the mesh state file that `tether stat`, `tether tap` and
+    /// `tether dashboard` read (default: tether-up.json in the temp directory).
+    #[arg(long, env = tether_viz::state::STATE_ENV)]
+    state: Option<PathBuf>,
 }
 
 impl UpArgs {
@@ -44,6 +48,7 @@ impl UpArgs {
             duration: self.duration,
             interval: self.interval,
             json: self.json,
+            state: self.state.unwrap_or_else(tether_viz::state::default_path),
         })
     }
 

@@ -84,7 +84,8 @@ impl Outbound {
             };
             let hop = Hop {
                 tls: conn.tls,
-                client_id: None,
+                endpoint: Some(ep.clone()),
+                ..Hop::default()
             };
             let (parts, body) = request.take().expect("request is sent once");
             let carry_http1 = ep.endpoint.meshed && version != Version::HTTP_2;

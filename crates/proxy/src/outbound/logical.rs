@@ -31,6 +31,7 @@ pub(super) fn normalize(authority: &str) -> Result<String, ProxyError> {
 impl Outbound {
     pub async fn handle(&self, req: Request<Incoming>, pinned: Option<&str>) -> Response<Body> {
         let start = Instant::now();
+        let tapped = self.metrics.tap.request(&req);
         let grpc = is_grpc(req.headers());
         if req.method() == Method::CONNECT {
             let rsp = error_response(&ProxyError::ConnectUnsupported, grpc);
@@ -66,7 +67,7 @@ impl Outbound {
             (error_response(&e, grpc), Hop::default())
         });
         self.metrics
-            .record_response(rsp, "outbound", label, start.elapsed(), hop)
+            .record_tapped_response(rsp, "outbound", label, start.elapsed(), hop, tapped)
     }
 
     /// Bounds the time to response headers by the service's timeout,

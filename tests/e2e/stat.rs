@@ -1,0 +1,131 @@
+//! `tether stat` against `tether up`, found through its state file: the
+//! counts match what a load generator sent.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use crate::support::*;
+
+const MANIFEST: &str = "
+services:
+  - name: web
+    replicas: 2
+  - name: api
+load:
+  - service: api
+    rps: 20
+";
+
+/// Starts `tether stat ARGS -o json` and waits until its window opened.
+fn stat_window(mesh: &LocalMesh, args: &[&str]) -> std::process::Child {
+    let mut child = Command::new(tether())
+        .args([
+            "stat",
+            "--state",
+            mesh.state_path.to_str().unwrap(),
+            "-o",
+            "json",
+        ])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    assert!(line.contains("counting 4 of 4 proxies"), "{line}");
+    child
+}
+
+fn rows(child: std::process::Child) -> Vec<serde_json::Value> {
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    serde_json::from_slice::<serde_json::Value>(&out.stdout)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn stat_counts_match_the_load_generator() {
+    let mesh = LocalMesh::start(MANIFEST, &[]);
+    let outbound = mesh.proxy("loadgen").outbound.unwrap();
+    let by_service = stat_window(&mesh, &["--window", "8"]);
+    let by_workload = stat_window(&mesh, &["--window", "8", "--by", "workload"]);
+    let authority = format!("web.demo.svc.{}:8080", mesh.state.cluster_domain);
+    let load = Command::new(tether())
+        .args([
+            "load",
+            "--connect",
+            &outbound.to_string(),
+            "--authority",
+            &authority,
+        ])
+        .args(["--rate", "200", "--duration", "2", "--concurrency", "16"])
+        .output()
+        .unwrap();
+    assert!(
+        load.status.success(),
+        "{}",
+        String::from_utf8_lossy(&load.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&load.stdout).unwrap();
+    let sent = report["sent"].as_f64().unwrap();
+    assert!(sent > 100.0, "{report}");
+    assert_eq!(report["failed"], 0, "{report}");
+    let mut children = [by_service, by_workload];
+    for c in &mut children {
+        // Otherwise the window closed before the load ended and counts
+        // would be short for a reason that is not stat's.
+        assert!(
+            c.try_wait().unwrap().is_none(),
+            "the load outlasted stat's window"
+        );
+    }
+    let [by_service, by_workload] = children;
+
+    let services = rows(by_service);
+    let web = services
+        .iter()
+        .find(|r| r["name"] == authority.as_str())
+        .unwrap_or_else(|| panic!("no row for {authority}: {services:?}"));
+    let counted = web["requests"].as_f64().unwrap();
+    assert!(
+        (counted - sent).abs() <= sent * 0.01,
+        "stat {counted}, load {sent}: {web}"
+    );
+    assert_eq!(web["success_rate"], 1.0, "{web}");
+    assert_eq!(web["mtls"], 1.0, "{web}");
+    assert!(
+        web["p50_ms"].as_f64().unwrap() <= web["p99_ms"].as_f64().unwrap(),
+        "{web}"
+    );
+    assert!(web["rps"].as_f64().unwrap() > 0.0, "{web}");
+
+    let workloads = rows(by_workload);
+    let served: f64 = workloads
+        .iter()
+        .filter(|r| r["name"].as_str().unwrap().starts_with("demo/web-"))
+        .map(|r| r["requests"].as_f64().unwrap())
+        .sum();
+    assert!(
+        (served - sent).abs() <= sent * 0.01,
+        "replicas served {served}, load sent {sent}: {workloads:?}"
+    );
+}
+
+#[test]
+fn stat_names_a_missing_state_file() {
+    let (ok, out) = run_tether(&["stat", "--state", "/nonexistent/tether-up.json"]);
+    assert!(!ok);
+    assert!(
+        out.contains("/nonexistent/tether-up.json") && out.contains("tether up"),
+        "{out}"
+    );
+}
