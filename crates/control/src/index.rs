@@ -37,6 +37,9 @@ pub struct ServiceState {
     pub response_timeout: Option<std::time::Duration>,
     pub cluster_ip: Option<std::net::IpAddr>,
     pub endpoints: Vec<EndpointSpec>,
+    /// The routes attached to the service (to any of its ports), ordered
+    /// by kind, namespace and name; each validated.
+    pub routes: Vec<tether_core::route::Route>,
 }
 
 impl ServiceState {
@@ -51,6 +54,7 @@ impl ServiceState {
             response_timeout: None,
             cluster_ip: None,
             endpoints: Vec::new(),
+            routes: Vec::new(),
         }
     }
 

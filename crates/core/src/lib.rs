@@ -5,6 +5,8 @@
 //! - [`registry`]: the registry document model (services and their
 //!   endpoints) and its validation, shared by the file registry that reads it
 //!   and by `tether up`, which writes it.
+//! - [`route`]: Gateway API `HTTPRoute`/`GRPCRoute` documents attached to a
+//!   service, their validation, and the bounded regex compiler both sides use.
 //! - [`backoff`]: jittered exponential backoff, calculated (callers sleep).
 //! - [`log_limit`]: at most one log line per interval for conditions a
 //!   client can repeat at will.
@@ -21,5 +23,6 @@ pub mod backoff;
 pub mod log_limit;
 pub mod prom;
 pub mod registry;
+pub mod route;
 pub mod truncate;
 pub mod yaml;

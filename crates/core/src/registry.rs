@@ -14,6 +14,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::authority::{is_dns_label, ServiceKey};
+use crate::route::{GrpcRouteDoc, HttpRouteDoc, Route};
 use crate::truncate::{bounded_message, for_log};
 
 /// How a service with a global id uses other clusters (reserved for
@@ -189,13 +190,28 @@ pub struct EndpointsDoc {
 pub enum Document {
     Service(ServiceDoc),
     Endpoints(EndpointsDoc),
+    /// A route attached to one or more services (`kind: HTTPRoute` or
+    /// `kind: GRPCRoute`).
+    Route(Route),
 }
 
 impl Document {
-    pub fn service_key(&self) -> ServiceKey {
+    /// The service a `Service` or `Endpoints` document is about; `None`
+    /// for a route, which may attach to several ([`Document::mentions`]).
+    pub fn service_key(&self) -> Option<ServiceKey> {
         match self {
-            Document::Service(s) => ServiceKey::new(&s.name, &s.namespace),
-            Document::Endpoints(e) => ServiceKey::new(&e.service, &e.namespace),
+            Document::Service(s) => Some(ServiceKey::new(&s.name, &s.namespace)),
+            Document::Endpoints(e) => Some(ServiceKey::new(&e.service, &e.namespace)),
+            Document::Route(_) => None,
+        }
+    }
+
+    /// Every service the document says something about: its own, or a
+    /// route's parents.
+    pub fn mentions(&self) -> BTreeSet<ServiceKey> {
+        match self {
+            Document::Route(r) => r.parents(),
+            _ => self.service_key().into_iter().collect(),
         }
     }
 
@@ -203,6 +219,7 @@ impl Document {
         match self {
             Document::Service(s) => &s.endpoints,
             Document::Endpoints(e) => &e.endpoints,
+            Document::Route(_) => &[],
         }
     }
 
@@ -211,6 +228,8 @@ impl Document {
         let (kind, body) = match self {
             Document::Service(s) => ("Service", serde_yaml::to_string(s)),
             Document::Endpoints(e) => ("Endpoints", serde_yaml::to_string(e)),
+            Document::Route(Route::Http(r)) => ("HTTPRoute", serde_yaml::to_string(r)),
+            Document::Route(Route::Grpc(r)) => ("GRPCRoute", serde_yaml::to_string(r)),
         };
         format!(
             "kind: {kind}\n{}",
@@ -231,6 +250,9 @@ pub struct DocumentError {
     pub document: usize,
     pub message: String,
 }
+
+/// The document kinds a registry file may hold.
+const KINDS: &str = "Service, Endpoints, HTTPRoute or GRPCRoute";
 
 /// Parses every YAML document of one registry file, rejecting the file as a
 /// whole if any document is invalid (a half-valid file is never served).
@@ -259,7 +281,7 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
         };
         let kind = map
             .remove("kind")
-            .ok_or_else(|| err("missing field `kind` (Service or Endpoints)".into()))?;
+            .ok_or_else(|| err(format!("missing field `kind` ({KINDS})")))?;
         let doc = match kind.as_str() {
             Some("Service") => from_mapping::<ServiceDoc>(map)
                 .map(Document::Service)
@@ -267,16 +289,22 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
             Some("Endpoints") => from_mapping::<EndpointsDoc>(map)
                 .map(Document::Endpoints)
                 .map_err(|e| err(format!("Endpoints: {e}")))?,
+            Some("HTTPRoute") => from_mapping::<HttpRouteDoc>(map)
+                .map(|r| Document::Route(Route::Http(r)))
+                .map_err(|e| err(format!("HTTPRoute: {e}")))?,
+            Some("GRPCRoute") => from_mapping::<GrpcRouteDoc>(map)
+                .map(|r| Document::Route(Route::Grpc(r)))
+                .map_err(|e| err(format!("GRPCRoute: {e}")))?,
             Some(other) => {
                 return Err(err(format!(
-                    "field `kind`: expected Service or Endpoints, got {}",
+                    "field `kind`: expected {KINDS}, got {}",
                     for_log(other)
                 )))
             }
             None => {
-                return Err(err(
-                    "field `kind`: expected Service or Endpoints, got a non-string".into(),
-                ))
+                return Err(err(format!(
+                    "field `kind`: expected {KINDS}, got a non-string"
+                )))
             }
         };
         validate(&doc).map_err(err)?;
@@ -317,6 +345,7 @@ pub fn validate(doc: &Document) -> Result<(), String> {
     let (name_field, name, namespace) = match doc {
         Document::Service(s) => ("name", &s.name, &s.namespace),
         Document::Endpoints(e) => ("service", &e.service, &e.namespace),
+        Document::Route(r) => return r.validate(),
     };
     if !is_dns_label(name) {
         return Err(format!(
@@ -475,7 +504,7 @@ endpoints:
         assert!(s.ports[1].opaque);
         assert_eq!(s.endpoints[0].weight, 1);
         assert!(s.endpoints[0].ready && s.endpoints[0].meshed);
-        assert_eq!(docs[1].service_key(), ServiceKey::new("web", "demo"));
+        assert_eq!(docs[1].service_key(), Some(ServiceKey::new("web", "demo")));
         assert!(!docs[1].endpoints()[0].ready);
     }
 
@@ -575,6 +604,14 @@ endpoints:
             let fragment = prop_oneof![
                 Just("kind: Service\n".to_string()),
                 Just("kind: Endpoints\n".to_string()),
+                Just("kind: HTTPRoute\n".to_string()),
+                Just("kind: GRPCRoute\n".to_string()),
+                Just("parentRefs: [{name: web}]\n".to_string()),
+                Just(
+                    "rules:\n  - matches: [{path: {type: RegularExpression, value: \"(a+)+\"}}]\n"
+                        .to_string()
+                ),
+                Just("    backendRefs: [{name: web, weight: 5}]\n".to_string()),
                 Just("---\n".to_string()),
                 Just("name: web\n".to_string()),
                 Just("service: web\n".to_string()),

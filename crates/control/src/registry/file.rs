@@ -43,6 +43,7 @@ use std::time::{Duration, SystemTime};
 use notify::Watcher;
 use tether_core::authority::ServiceKey;
 use tether_core::registry::{parse_documents, Document, EndpointSpec};
+use tether_core::route::{Route, RouteKey};
 use tether_core::truncate::bounded_message;
 use tokio::sync::mpsc;
 
@@ -217,6 +218,8 @@ struct FileEntry {
 struct Loaded {
     files: HashMap<PathBuf, FileEntry>,
     mentions: HashMap<ServiceKey, BTreeSet<PathBuf>>,
+    /// Files naming each route; the first in path order defines it.
+    route_paths: HashMap<RouteKey, BTreeSet<PathBuf>>,
     /// Files whose definition of a service loses to an earlier path's, as
     /// last reported (so each conflict is logged once, and its end too).
     losing: HashMap<ServiceKey, BTreeSet<PathBuf>>,
@@ -237,6 +240,7 @@ impl Default for Loaded {
         Self {
             files: HashMap::new(),
             mentions: HashMap::new(),
+            route_paths: HashMap::new(),
             losing: HashMap::new(),
             link_of: HashMap::new(),
             linked_from: HashMap::new(),
@@ -306,15 +310,44 @@ impl Loaded {
         let mut touched = self.forget_docs(path, metrics);
         metrics.registry_documents.inc_by(docs.len() as i64);
         for doc in &docs {
-            let key = doc.service_key();
-            self.mentions
-                .entry(key.clone())
-                .or_default()
-                .insert(path.to_path_buf());
-            touched.insert(key);
+            for key in doc.mentions() {
+                self.mentions
+                    .entry(key.clone())
+                    .or_default()
+                    .insert(path.to_path_buf());
+                touched.insert(key);
+            }
         }
+        let routes: Vec<RouteKey> = docs.iter().filter_map(route_key).collect();
         self.files
             .insert(path.to_path_buf(), FileEntry { probe, docs });
+        for route in routes {
+            let paths = self.route_paths.entry(route.clone()).or_default();
+            paths.insert(path.to_path_buf());
+            // The file that loses now: this one, or the one this displaces.
+            let mut order = paths.iter();
+            let (first, second) = (order.next().cloned(), order.next().cloned());
+            let conflict = match (first, second) {
+                (Some(first), _) if first != path => Some((first, path.to_path_buf())),
+                (Some(first), Some(second)) => Some((first, second)),
+                _ => None,
+            };
+            if let Some((winner, loser)) = conflict {
+                self.problem(
+                    metrics,
+                    format!(
+                        "registry file {} rejected for {route}: {} defines it too and comes first in path order; \
+                         what {} says about it is ignored while that lasts",
+                        loser.display(),
+                        winner.display(),
+                        loser.display(),
+                    ),
+                );
+            }
+            // Whichever file now defines the route, the parents of every
+            // definition may have changed.
+            touched.extend(self.route_parents(&route));
+        }
         metrics.registry_events_applied.inc();
         tracing::debug!(file = %path.display(), services = touched.len(), "registry file applied");
         touched
@@ -367,23 +400,59 @@ impl Loaded {
         let old = std::mem::take(&mut entry.docs);
         metrics.registry_documents.dec_by(old.len() as i64);
         for doc in &old {
-            let key = doc.service_key();
-            if let Some(paths) = self.mentions.get_mut(&key) {
-                paths.remove(path);
-                if paths.is_empty() {
-                    self.mentions.remove(&key);
+            for key in doc.mentions() {
+                if let Some(paths) = self.mentions.get_mut(&key) {
+                    paths.remove(path);
+                    if paths.is_empty() {
+                        self.mentions.remove(&key);
+                    }
                 }
+                touched.insert(key);
             }
-            touched.insert(key);
+            if let Some(route) = route_key(doc) {
+                if let Some(paths) = self.route_paths.get_mut(&route) {
+                    paths.remove(path);
+                    if paths.is_empty() {
+                        self.route_paths.remove(&route);
+                    }
+                }
+                // Another file's definition may take over.
+                touched.extend(self.route_parents(&route));
+            }
         }
         touched
+    }
+
+    /// The parents named by every file's definition of `route`.
+    fn route_parents(&self, route: &RouteKey) -> BTreeSet<ServiceKey> {
+        let Some(paths) = self.route_paths.get(route) else {
+            return BTreeSet::new();
+        };
+        paths
+            .iter()
+            .filter_map(|p| self.files.get(p))
+            .flat_map(|f| f.docs.iter())
+            .filter_map(|d| match d {
+                Document::Route(r) if r.key() == *route => Some(r.parents()),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    }
+
+    /// Whether `path` is the file that defines `route`.
+    fn defines_route(&self, path: &Path, route: &RouteKey) -> bool {
+        self.route_paths
+            .get(route)
+            .and_then(|paths| paths.first())
+            .is_some_and(|first| first == path)
     }
 
     fn defines(&self, path: &Path, key: &ServiceKey) -> bool {
         self.files.get(path).is_some_and(|f| {
             f.docs
                 .iter()
-                .any(|d| matches!(d, Document::Service(_)) && d.service_key() == *key)
+                .any(|d| matches!(d, Document::Service(_)) && d.service_key().as_ref() == Some(key))
         })
     }
 
@@ -417,12 +486,12 @@ impl Loaded {
                 .filter(|p| !merged.losers.contains(*p))
                 .filter_map(|p| self.files.get(p).map(|f| (p, f)))
                 .flat_map(|(p, f)| f.docs.iter().map(move |d| (p, d)))
-                .filter(|(_, d)| d.service_key() == *key)
+                .filter(|(_, d)| d.mentions().contains(key))
         };
         let Some(Document::Service(svc)) = self.files[winner]
             .docs
             .iter()
-            .find(|d| matches!(d, Document::Service(_)) && d.service_key() == *key)
+            .find(|d| matches!(d, Document::Service(_)) && d.service_key().as_ref() == Some(key))
         else {
             unreachable!("the winner defines the service");
         };
@@ -447,6 +516,13 @@ impl Loaded {
                 endpoints.push(ep.clone());
             }
         }
+        let mut routes: Vec<Route> = docs()
+            .filter_map(|(path, doc)| match doc {
+                Document::Route(r) if self.defines_route(path, &r.key()) => Some(r.clone()),
+                _ => None,
+            })
+            .collect();
+        routes.sort_by_key(Route::key);
         merged.duplicate_endpoints = duplicates;
         merged.first_duplicate = first_duplicate;
         merged.state = Some(ServiceState {
@@ -461,6 +537,7 @@ impl Loaded {
                 .and_then(|t| tether_core::registry::parse_duration(t).ok()),
             cluster_ip: svc.cluster_ip,
             endpoints,
+            routes,
         });
         merged
     }
@@ -506,16 +583,33 @@ impl Loaded {
     }
 }
 
-/// A file may define each service once.
+fn route_key(doc: &Document) -> Option<RouteKey> {
+    match doc {
+        Document::Route(r) => Some(r.key()),
+        _ => None,
+    }
+}
+
+/// A file may define each service and each route once.
 fn check_definitions(docs: Vec<Document>) -> Result<Vec<Document>, String> {
     let mut defined = BTreeSet::new();
+    let mut routes = BTreeSet::new();
     for (i, doc) in docs.iter().enumerate() {
-        if matches!(doc, Document::Service(_)) && !defined.insert(doc.service_key()) {
-            return Err(format!(
-                "document {}: service {} is defined twice in this file",
-                i + 1,
-                doc.service_key()
-            ));
+        if let (Document::Service(_), Some(key)) = (doc, doc.service_key()) {
+            if !defined.insert(key.clone()) {
+                return Err(format!(
+                    "document {}: service {key} is defined twice in this file",
+                    i + 1,
+                ));
+            }
+        }
+        if let Some(route) = route_key(doc) {
+            if !routes.insert(route.clone()) {
+                return Err(format!(
+                    "document {}: {route} is defined twice in this file",
+                    i + 1,
+                ));
+            }
         }
     }
     Ok(docs)
@@ -814,6 +908,135 @@ mod tests {
             );
         }
         (loaded, index, metrics)
+    }
+
+    fn route(name: &str, parent: &str, weight: u32) -> String {
+        format!(
+            "kind: HTTPRoute\nname: {name}\nparentRefs: [{{name: {parent}}}]\n\
+             rules: [{{backendRefs: [{{name: {parent}, weight: {weight}}}]}}]\n"
+        )
+    }
+
+    fn route_weights(index: &Index, key: &ServiceKey) -> Vec<(String, u32)> {
+        index
+            .service(key)
+            .map(|s| s.routes)
+            .unwrap_or_default()
+            .iter()
+            .map(|r| match r {
+                Route::Http(r) => (r.name.clone(), r.rules[0].backend_refs[0].weight),
+                Route::Grpc(r) => (r.name.clone(), 0),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_route_waits_for_its_service_and_follows_it() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "a-route.yaml", &route("canary", "web", 7));
+        let (mut loaded, index, metrics) = load_in_order(dir.path(), &["a-route.yaml"]);
+        assert!(index.service(&web()).is_none());
+        assert_eq!(metrics.registry_reload_errors.get(), 0);
+
+        // The service appears: the route kept meanwhile applies at once.
+        let svc = write(dir.path(), "web.yaml", &service(80));
+        apply(
+            &mut loaded,
+            [svc.clone()],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
+        assert_eq!(route_weights(&index, &web()), vec![("canary".into(), 7)]);
+
+        // Removing the service and bringing it back keeps the route.
+        std::fs::remove_file(&svc).unwrap();
+        apply(
+            &mut loaded,
+            [svc.clone()],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
+        assert!(index.service(&web()).is_none());
+        write(dir.path(), "web.yaml", &service(80));
+        apply(
+            &mut loaded,
+            [svc],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
+        assert_eq!(route_weights(&index, &web()), vec![("canary".into(), 7)]);
+
+        // Re-pointed at another service, it leaves this one.
+        let r = write(dir.path(), "a-route.yaml", &route("canary", "api", 7));
+        apply(
+            &mut loaded,
+            [r],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
+        assert_eq!(route_weights(&index, &web()), vec![]);
+    }
+
+    #[test]
+    fn the_first_path_defines_a_duplicated_route() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "web.yaml", &service(80));
+        let first = write(dir.path(), "b-route.yaml", &route("canary", "web", 1));
+        write(dir.path(), "c-route.yaml", &route("canary", "web", 2));
+        write(dir.path(), "d-other.yaml", &route("other", "web", 3));
+        // Whatever order the events come in, the first path wins.
+        for order in [
+            ["web.yaml", "b-route.yaml", "c-route.yaml", "d-other.yaml"],
+            ["d-other.yaml", "c-route.yaml", "web.yaml", "b-route.yaml"],
+        ] {
+            let (mut loaded, index, metrics) = load_in_order(dir.path(), &order);
+            assert_eq!(
+                route_weights(&index, &web()),
+                vec![("canary".into(), 1), ("other".into(), 3)]
+            );
+            assert_eq!(metrics.registry_reload_errors.get(), 1, "{order:?}");
+            // The first goes: the second definition takes over.
+            std::fs::remove_file(&first).unwrap();
+            apply(
+                &mut loaded,
+                [first.clone()],
+                &index,
+                &metrics,
+                std::time::Instant::now(),
+            );
+            assert_eq!(
+                route_weights(&index, &web()),
+                vec![("canary".into(), 2), ("other".into(), 3)]
+            );
+            write(dir.path(), "b-route.yaml", &route("canary", "web", 1));
+        }
+    }
+
+    #[test]
+    fn a_bad_route_keeps_the_last_good_one() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "web.yaml", &service(80));
+        let r = write(dir.path(), "route.yaml", &route("canary", "web", 4));
+        let (mut loaded, index, metrics) = load_in_order(dir.path(), &["web.yaml", "route.yaml"]);
+        write(
+            dir.path(),
+            "route.yaml",
+            "kind: HTTPRoute\nname: canary\nparentRefs: [{name: web}]\n\
+             rules: [{matches: [{path: {type: RegularExpression, value: \"(\"}}]}]\n",
+        );
+        apply(
+            &mut loaded,
+            [r],
+            &index,
+            &metrics,
+            std::time::Instant::now(),
+        );
+        assert_eq!(metrics.registry_reload_errors.get(), 1);
+        assert_eq!(route_weights(&index, &web()), vec![("canary".into(), 4)]);
     }
 
     #[test]

@@ -237,6 +237,7 @@ impl World {
                 .filter(|ip| *ip != "None")
                 .and_then(|ip| ip.parse().ok()),
             endpoints,
+            routes: Vec::new(),
         })
     }
 
