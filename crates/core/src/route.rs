@@ -315,7 +315,7 @@ pub struct GrpcRule {
     pub name: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub matches: Vec<GrpcMatch>,
-    /// `RequestHeaderModifier` and `ResponseHeaderModifier` only.
+    /// `RequestHeaderModifier` only (what the proxy API carries).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub filters: Vec<HttpFilter>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -340,7 +340,8 @@ pub struct GrpcMatch {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct GrpcMethodMatch {
-    /// `Exact` (the default) or `RegularExpression`, for both names.
+    /// `Exact` (the default and the only one supported: the proxy API
+    /// carries exact names).
     #[serde(default, rename = "type")]
     pub kind: ValueMatchType,
     /// The fully qualified service, e.g. `demo.Greeter`; absent: any.
@@ -982,20 +983,15 @@ fn validate_http_rule(field: &str, rule: &HttpRule) -> Result<usize, String> {
     Ok(rule.matches.len())
 }
 
-fn check_grpc_name(field: &str, name: &str, kind: ValueMatchType) -> Result<(), String> {
-    match kind {
-        ValueMatchType::RegularExpression => check_regex(field, name),
-        ValueMatchType::Exact => {
-            let ok = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '.';
-            if name.is_empty() || name.len() > MAX_VALUE_BYTES || !name.chars().all(ok) {
-                return Err(format!(
-                    "field `{field}`: {} is not a gRPC name (letters, digits, '_' and '.')",
-                    for_log(name)
-                ));
-            }
-            Ok(())
-        }
+fn check_grpc_name(field: &str, name: &str) -> Result<(), String> {
+    let ok = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '.';
+    if name.is_empty() || name.len() > MAX_VALUE_BYTES || !name.chars().all(ok) {
+        return Err(format!(
+            "field `{field}`: {} is not a gRPC name (letters, digits, '_' and '.')",
+            for_log(name)
+        ));
     }
+    Ok(())
 }
 
 fn validate_grpc_rule(field: &str, rule: &GrpcRule) -> Result<usize, String> {
@@ -1015,19 +1011,35 @@ fn validate_grpc_rule(field: &str, rule: &GrpcRule) -> Result<usize, String> {
     for (i, m) in rule.matches.iter().enumerate() {
         let f = format!("{field}.matches[{i}]");
         if let Some(method) = &m.method {
+            if method.kind == ValueMatchType::RegularExpression {
+                // linkerd2-proxy-api's GrpcRpcMatch carries exact names only.
+                return Err(format!(
+                    "field `{f}.method.type`: RegularExpression is not supported for gRPC methods (the proxy API matches exact names); match a header instead"
+                ));
+            }
             if method.service.is_none() && method.method.is_none() {
                 return Err(format!(
                     "field `{f}.method`: needs `service`, `method` or both"
                 ));
             }
             if let Some(s) = &method.service {
-                check_grpc_name(&format!("{f}.method.service"), s, method.kind)?;
+                check_grpc_name(&format!("{f}.method.service"), s)?;
             }
             if let Some(m) = &method.method {
-                check_grpc_name(&format!("{f}.method.method"), m, method.kind)?;
+                check_grpc_name(&format!("{f}.method.method"), m)?;
             }
         }
         check_value_matches(&format!("{f}.headers"), &m.headers, true)?;
+    }
+    for (i, filter) in rule.filters.iter().enumerate() {
+        // linkerd2-proxy-api's GrpcRoute filters: header modification of
+        // requests (and fault injection) only.
+        if filter.kind != FilterType::RequestHeaderModifier {
+            return Err(format!(
+                "field `{field}.filters[{i}].type`: {:?} is not supported in a GRPCRoute (only RequestHeaderModifier)",
+                filter.kind
+            ));
+        }
     }
     check_filters(&format!("{field}.filters"), &rule.filters, false, false)?;
     check_backend_refs(&format!("{field}.backendRefs"), &rule.backend_refs)?;
@@ -1210,8 +1222,12 @@ rules:
         assert!(e.contains("missing field `parentRefs`"), "{e}");
         let e = error_of("kind: GRPCRoute\nname: r\nparentRefs: [{name: web}]\nrules: [{filters: [{type: RequestRedirect, requestRedirect: {}}]}]\n");
         assert!(e.contains("not supported in a GRPCRoute"), "{e}");
+        let e = error_of("kind: GRPCRoute\nname: r\nparentRefs: [{name: web}]\nrules: [{filters: [{type: ResponseHeaderModifier, responseHeaderModifier: {}}]}]\n");
+        assert!(e.contains("rules[0].filters[0].type"), "{e}");
         let e = error_of("kind: GRPCRoute\nname: r\nparentRefs: [{name: web}]\nrules: [{retry: {codes: [NOT_FOUND]}}]\n");
         assert!(e.contains("rules[0].retry.codes[0]"), "{e}");
+        let e = error_of("kind: GRPCRoute\nname: r\nparentRefs: [{name: web}]\nrules: [{matches: [{method: {type: RegularExpression, service: a.*}}]}]\n");
+        assert!(e.contains("rules[0].matches[0].method.type"), "{e}");
         let e = error_of("kind: GRPCRoute\nname: r\nparentRefs: [{name: web}]\nrules: [{matches: [{method: {}}]}]\n");
         assert!(e.contains("rules[0].matches[0].method"), "{e}");
     }
