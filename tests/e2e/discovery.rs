@@ -10,7 +10,9 @@ use linkerd2_proxy_api::destination::{
 use linkerd2_proxy_api::inbound::{
     inbound_server_policies_client::InboundServerPoliciesClient, PortSpec,
 };
-use linkerd2_proxy_api::outbound::{outbound_policies_client::OutboundPoliciesClient, TrafficSpec};
+use linkerd2_proxy_api::outbound::{
+    outbound_policies_client::OutboundPoliciesClient, proxy_protocol, traffic_spec, TrafficSpec,
+};
 
 use crate::support::*;
 
@@ -172,7 +174,26 @@ async fn profiles_and_policies_answer_any_client() {
     assert_eq!(p.endpoint.unwrap().addr.unwrap().port, 7000);
 
     let mut outbound = OutboundPoliciesClient::connect(url.clone()).await.unwrap();
-    let err = tokio::time::timeout(t, outbound.watch(TrafficSpec::default()))
+    let spec = |target: String| TrafficSpec {
+        source_workload: "x".into(),
+        target: Some(traffic_spec::Target::Authority(target)),
+    };
+    let mut s = tokio::time::timeout(t, outbound.watch(spec(authority("db", 5432))))
+        .await
+        .unwrap()
+        .unwrap()
+        .into_inner();
+    let policy = tokio::time::timeout(t, s.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        policy.protocol.unwrap().kind,
+        Some(proxy_protocol::Kind::Opaque(_))
+    ));
+    // Not a mesh service: answered at once, so clients go direct.
+    let err = tokio::time::timeout(t, outbound.watch(spec(authority("nope", 80))))
         .await
         .unwrap()
         .unwrap_err();

@@ -145,6 +145,23 @@ struct Inner {
     by_global: HashMap<String, BTreeSet<ServiceKey>>,
     remotes: BTreeMap<String, RemoteCluster>,
     slots: HashMap<SlotKey, HashMap<u16, Slot>>,
+    /// One slot per service that a policy or profile stream follows: the
+    /// service without its endpoints (what routing depends on), or `None`
+    /// while it does not exist.
+    routing: HashMap<ServiceKey, watch::Sender<RoutingState>>,
+}
+
+/// A service as routing sees it: its state without endpoints.
+pub type RoutingState = Option<Arc<ServiceState>>;
+pub type RoutingReceiver = watch::Receiver<RoutingState>;
+
+fn routing_state(state: Option<&ServiceState>) -> RoutingState {
+    state.map(|s| {
+        Arc::new(ServiceState {
+            endpoints: Vec::new(),
+            ..s.clone()
+        })
+    })
 }
 
 #[derive(Clone)]
@@ -186,6 +203,16 @@ impl Index {
         let labels = ServiceLabels {
             service: key.to_string(),
         };
+        if let Some(slot) = inner.routing.get(key) {
+            let routing = routing_state(state.as_ref());
+            slot.send_if_modified(|cur| {
+                let changed = *cur != routing;
+                if changed {
+                    *cur = routing;
+                }
+                changed
+            });
+        }
         let old_global = inner.services.get(key).and_then(|s| s.global_id.clone());
         let new_global = state.as_ref().and_then(|s| s.global_id.clone());
         match state {
@@ -274,6 +301,47 @@ impl Index {
             })
             .map(|(k, _)| SlotKey::Service(k.clone()))
             .unwrap_or(SlotKey::Endpoint(addr))
+    }
+
+    /// The service whose cluster IP and port `addr` is; the first by name
+    /// if several claim it, so replicas agree.
+    pub fn service_by_ip(&self, addr: SocketAddr) -> Option<ServiceKey> {
+        let inner = self.inner.lock().unwrap();
+        inner
+            .services
+            .iter()
+            .filter(|(_, s)| {
+                s.cluster_ip == Some(addr.ip()) && s.ports.iter().any(|p| p.port == addr.port())
+            })
+            .map(|(k, _)| k)
+            .min()
+            .cloned()
+    }
+
+    /// Follows a service's routing state (everything but its endpoints):
+    /// the receiver holds the current state at once, and changes only when
+    /// that state does, not on endpoint churn.
+    pub fn watch_routing(&self, key: &ServiceKey) -> RoutingReceiver {
+        let mut inner = self.inner.lock().unwrap();
+        let current = routing_state(inner.services.get(key));
+        inner
+            .routing
+            .entry(key.clone())
+            .or_insert_with(|| watch::Sender::new(current))
+            .subscribe()
+    }
+
+    /// Drops a routing slot nobody follows any more.
+    pub fn release_routing(&self, key: &ServiceKey) {
+        let mut inner = self.inner.lock().unwrap();
+        if inner
+            .routing
+            .get(key)
+            .is_some_and(|s| s.receiver_count() == 0)
+        {
+            inner.routing.remove(key);
+            shrink_map(&mut inner.routing);
+        }
     }
 
     /// Ready local endpoints per global id, for the export API.
@@ -390,6 +458,7 @@ impl Index {
             ports.retain(|_, slot| slot.receiver_count() > 0);
             !ports.is_empty()
         });
+        inner.routing.retain(|_, slot| slot.receiver_count() > 0);
     }
 }
 

@@ -10,8 +10,8 @@
 //! - [`server`]: wires listeners, the registry, the gRPC services and admin.
 //! - [`identity`]: `Identity.Certify`, signing workloads' CSRs with the
 //!   issuer once their bootstrap token checks out.
-//! - [`policy`]: default answers for the policy APIs, so any
-//!   linkerd2-proxy-api client falls back instead of hanging.
+//! - [`policy`]: `OutboundPolicies` (each service port's routes, as
+//!   [`outbound`] builds them) and a permissive `InboundServerPolicies`.
 //! - [`metrics`]: the control plane's Prometheus metrics.
 //! - [`diagnostics`]: Tether's own gRPC API for operator tools.
 //! - [`multicluster`]: links to other clusters, and the export API.
@@ -22,6 +22,7 @@ pub mod identity;
 pub mod index;
 pub mod metrics;
 pub mod multicluster;
+pub mod outbound;
 pub mod policy;
 pub mod registry;
 pub mod server;

@@ -217,9 +217,12 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     if let Some(multicluster) = multicluster {
         multicluster.spawn(export_listener, &index, &shutdown);
     }
-    let policy = PolicyService {
-        shutdown: shutdown.clone(),
-    };
+    let policy = PolicyService::new(
+        index.clone(),
+        &config.cluster_domain,
+        config.max_subscriptions,
+        shutdown.clone(),
+    );
     let signal = shutdown.clone();
     let server = grpc_services(destination, policy, identity, diagnostics)
         .serve_with_incoming_shutdown(
