@@ -23,4 +23,5 @@ mod protocols;
 mod registry;
 mod retries;
 mod stat;
+mod tap;
 mod up;

@@ -7,7 +7,7 @@ mod cmd;
 use clap::{Parser, Subcommand};
 use tether_admin::Shutdown;
 
-use cmd::{control, demo, gateway, identity, ops, proxy, stat, up};
+use cmd::{control, demo, gateway, identity, ops, proxy, stat, tap, up};
 
 #[derive(Parser)]
 #[command(
@@ -34,6 +34,8 @@ enum Command {
     Check(ops::CheckArgs),
     /// Success rate, RPS, p50/p95/p99 latency and mTLS share per service, workload or route.
     Stat(stat::StatArgs),
+    /// Watch requests through proxies live (method, path, status, latency, identities, endpoint).
+    Tap(tap::TapArgs),
     /// Compare what control-plane replicas serve, with each other and the registry.
     Diagnostics {
         #[command(subcommand)]
@@ -78,6 +80,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Up(args) => args.run(shutdown).await,
         Command::Check(args) => args.run().await,
         Command::Stat(args) => args.run().await,
+        Command::Tap(args) => args.run().await,
         Command::Diagnostics { command } => command.run().await,
         Command::Install(args) => args.run(),
         Command::Inject(args) => args.run(),

@@ -8,6 +8,7 @@
 //! - [`stat`]: golden metrics (success rate, RPS, latency percentiles, mTLS
 //!   share) per service, workload or route, from two scrapes or from a
 //!   Prometheus.
+//! - [`tap`]: `tether tap`, following proxies' tap APIs.
 
 #![forbid(unsafe_code)]
 
@@ -15,3 +16,4 @@ pub mod prometheus;
 pub mod scrape;
 pub mod stat;
 pub mod state;
+pub mod tap;

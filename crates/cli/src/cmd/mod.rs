@@ -11,4 +11,5 @@ pub mod identity;
 pub mod ops;
 pub mod proxy;
 pub mod stat;
+pub mod tap;
 pub mod up;
