@@ -442,6 +442,21 @@ pub async fn certified_client_tls(
     ca: &Path,
     identity: &str,
 ) -> std::sync::Arc<rustls::ClientConfig> {
+    let (store, roots) = certified_store(control, ca, identity).await;
+    tether_identity::tls::client_config(store, roots).unwrap()
+}
+
+/// A fresh certificate for `identity` (certified by the control plane at
+/// `control` with a token from `ca`), and `ca`'s root, for a TLS client or
+/// server of the test's own.
+pub async fn certified_store(
+    control: SocketAddr,
+    ca: &Path,
+    identity: &str,
+) -> (
+    std::sync::Arc<tether_identity::tls::CertStore>,
+    std::sync::Arc<rustls::RootCertStore>,
+) {
     use linkerd2_proxy_api::identity::{identity_client::IdentityClient, CertifyRequest};
     let key = tether_identity::csr::generate(identity).unwrap();
     let token = tether_identity::token::LocalTokens::load(ca)
@@ -470,7 +485,7 @@ pub async fn certified_client_tls(
         )
         .unwrap();
     let roots = tether_identity::tls::load_roots(&ca.join("ca.crt")).unwrap();
-    tether_identity::tls::client_config(store, std::sync::Arc::new(roots)).unwrap()
+    (store, std::sync::Arc::new(roots))
 }
 
 /// One HTTP/1.1 GET over TLS to `connect`, verifying the server as

@@ -105,6 +105,14 @@ impl EndpointClient {
             .await
     }
 
+    /// A raw stream to a peer proxy for opaque TCP, offering the transport
+    /// header's ALPN over mTLS.
+    pub async fn connect_opaque(&self) -> Result<crate::tls::Connected, String> {
+        self.connector
+            .connect_opaque(self.addr, self.identity.as_deref())
+            .await
+    }
+
     pub async fn connection(&self, proto: Proto) -> Result<Connection, String> {
         match proto {
             Proto::Http1 => self.h1().await,
@@ -141,7 +149,9 @@ impl EndpointClient {
             .map_err(|e| e.to_string())?;
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = conn.await {
+            // An upgrade (WebSocket) takes the connection over when it
+            // switches protocols (`crate::upgrade`).
+            if let Err(e) = conn.with_upgrades().await {
                 tracing::debug!(error = %e, "HTTP/1 connection ended");
             }
         });

@@ -20,8 +20,13 @@ pub type Body = BoxBody<Bytes, hyper::Error>;
 
 /// Set by the outbound proxy when it carries an HTTP/1 request over HTTP/2
 /// to a peer proxy; the peer's inbound removes it and speaks HTTP/1 to its
-/// app.
-pub const ORIG_PROTO: &str = "tether-orig-proto";
+/// app. linkerd2-proxy's name and values (`linkerd/proxy/http/src/orig_proto.rs`),
+/// so either proxy can be the client of the other.
+pub const ORIG_PROTO: &str = "l5d-orig-proto";
+/// The name Tether used before it adopted linkerd2-proxy's: still read on
+/// inbound (and never passed on) so proxies of both versions interoperate
+/// while a mesh is upgraded. Never sent.
+pub const LEGACY_ORIG_PROTO: &str = "tether-orig-proto";
 /// Names why the proxy, not the app, answered a request.
 pub const PROXY_ERROR: &str = "tether-proxy-error";
 /// The header carrying the client's verified identity to the app.
@@ -31,7 +36,78 @@ pub const CLIENT_ID: &str = "tether-client-id";
 /// a client is never passed on, on any side: the inbound sets its own, the
 /// outbound and the gateway drop it (a plaintext endpoint has no proxy to
 /// drop it for them).
-pub const MESH_ASSERTED: &[&str] = &[CLIENT_ID];
+pub const MESH_ASSERTED: &[&str] = &[CLIENT_ID, ORIG_PROTO, LEGACY_ORIG_PROTO];
+
+/// What an [`ORIG_PROTO`] marker says about the request's first hop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OrigProto {
+    /// `HTTP/1.1` or `HTTP/1.0`.
+    pub version: http::Version,
+    /// The request target was in absolute form (`GET http://host/path`).
+    pub absolute_form: bool,
+    /// Marked with [`LEGACY_ORIG_PROTO`] (by a Tether proxy of an older
+    /// version, which would pass a response marker on to its app).
+    pub legacy: bool,
+}
+
+impl OrigProto {
+    /// The marker for a request that arrived as `version` (HTTP/1.x).
+    pub fn of(version: http::Version, uri: &http::Uri) -> Self {
+        Self {
+            version: if version == http::Version::HTTP_10 {
+                http::Version::HTTP_10
+            } else {
+                http::Version::HTTP_11
+            },
+            absolute_form: uri.scheme().is_some(),
+            legacy: false,
+        }
+    }
+
+    /// The header value, exactly as linkerd2-proxy writes it: the extra
+    /// `; absolute-form` only when it differs from the usual origin form.
+    pub fn header_value(self) -> HeaderValue {
+        HeaderValue::from_static(match (self.version, self.absolute_form) {
+            (http::Version::HTTP_10, false) => "HTTP/1.0",
+            (http::Version::HTTP_10, true) => "HTTP/1.0; absolute-form",
+            (_, false) => "HTTP/1.1",
+            (_, true) => "HTTP/1.1; absolute-form",
+        })
+    }
+
+    /// Reads a marker the way linkerd2-proxy's inbound does: the version
+    /// by prefix, `absolute-form` at a fixed offset. An unknown value names
+    /// no version: the request stays HTTP/2 (as linkerd2-proxy keeps it).
+    fn parse(value: &HeaderValue, legacy: bool) -> Option<Self> {
+        let v = value.as_bytes();
+        let version = if v.starts_with(b"HTTP/1.1") {
+            http::Version::HTTP_11
+        } else if v.starts_with(b"HTTP/1.0") {
+            http::Version::HTTP_10
+        } else {
+            return None;
+        };
+        let absolute_form =
+            v.len() >= "HTTP/1.1; absolute-form".len() && &v[10..23] == b"absolute-form";
+        Some(Self {
+            version,
+            absolute_form,
+            legacy,
+        })
+    }
+}
+
+/// The request's HTTP/1 origin, when a peer proxy marked it (under either
+/// name); both markers are removed, whatever their value.
+pub fn take_orig_proto(headers: &mut HeaderMap) -> Option<OrigProto> {
+    let current = headers.remove(ORIG_PROTO);
+    let legacy = headers.remove(LEGACY_ORIG_PROTO);
+    match (current, legacy) {
+        (Some(v), _) => OrigProto::parse(&v, false),
+        (None, Some(v)) => OrigProto::parse(&v, true),
+        (None, None) => None,
+    }
+}
 
 /// Removes mesh-asserted headers, and any spelling an app could read as
 /// one: CGI and WSGI turn `tether_client_id` into the same variable as
@@ -78,8 +154,13 @@ pub fn full(bytes: impl Into<Bytes>) -> Body {
 }
 
 /// Connection-specific headers, which HTTP/2 forbids and a proxy must not
-/// forward (RFC 9110 §7.6.1).
+/// forward (RFC 9110 §7.6.1) — except the two an upgrade the proxy carries
+/// needs on every hop (`Connection: upgrade`, `Upgrade`; see
+/// [`crate::upgrade`]).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let upgrade = crate::upgrade::wants_upgrade(headers)
+        .then(|| headers.get(header::UPGRADE).cloned())
+        .flatten();
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -103,6 +184,10 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove("proxy-connection");
     if headers.get(header::TE).is_some_and(|v| v != "trailers") {
         headers.remove(header::TE);
+    }
+    if let Some(protocol) = upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        headers.insert(header::UPGRADE, protocol);
     }
 }
 
@@ -166,14 +251,15 @@ pub fn status_class(status: StatusCode) -> &'static str {
 }
 
 /// Rewrites a request for the next hop. HTTP/2 carries the authority in the
-/// URI; HTTP/1 in origin form with a Host header. An HTTP/1 request carried
-/// to a peer proxy over HTTP/2 is marked with [`ORIG_PROTO`].
+/// URI; HTTP/1 in origin form (absolute form when `orig` says the request
+/// came so) with a Host header. An HTTP/1 request carried to a peer proxy
+/// over HTTP/2 is marked with [`ORIG_PROTO`] (`orig`).
 pub fn rewrite_for_hop(
     mut parts: http::request::Parts,
     body: Body,
     authority: &str,
     hop: Proto,
-    carry_http1: bool,
+    orig: Option<OrigProto>,
 ) -> http::Request<Body> {
     let pq = parts
         .uri
@@ -186,21 +272,28 @@ pub fn rewrite_for_hop(
                 parts.uri = uri;
             }
             parts.headers.remove(header::HOST);
-            if carry_http1 {
-                parts
-                    .headers
-                    .insert(ORIG_PROTO, HeaderValue::from_static("HTTP/1.1"));
+            if let Some(orig) = orig {
+                parts.headers.insert(ORIG_PROTO, orig.header_value());
             }
             parts.version = http::Version::HTTP_2;
         }
         Proto::Http1 => {
-            if let Ok(uri) = pq.parse() {
+            let absolute = orig.is_some_and(|o| o.absolute_form);
+            let target = if absolute {
+                format!("http://{authority}{pq}")
+            } else {
+                pq
+            };
+            if let Ok(uri) = target.parse() {
                 parts.uri = uri;
             }
             if let Ok(v) = HeaderValue::from_str(authority) {
                 parts.headers.insert(header::HOST, v);
             }
-            parts.version = http::Version::HTTP_11;
+            parts.version = match orig {
+                Some(o) => o.version,
+                None => http::Version::HTTP_11,
+            };
         }
     }
     http::Request::from_parts(parts, body)
@@ -236,6 +329,20 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 2, "{h:?}");
         assert!(h.contains_key("x-kept") && h.contains_key(header::TE));
+        // An upgrade keeps exactly what it needs.
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("Upgrade, x-private"),
+        );
+        h.insert("x-private", HeaderValue::from_static("1"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h[header::CONNECTION], "upgrade");
+        assert_eq!(h[header::UPGRADE], "websocket");
+        assert!(!h.contains_key("x-private"));
+        h.insert(header::UPGRADE, HeaderValue::from_static("h2c"));
+        strip_hop_by_hop(&mut h);
+        assert!(!h.contains_key(header::UPGRADE) && !h.contains_key(header::CONNECTION));
     }
 
     #[test]
@@ -257,6 +364,59 @@ mod tests {
         let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
         left.sort();
         assert_eq!(left, ["tether_client_idx", "x-kept"]);
+    }
+
+    #[test]
+    fn orig_proto_values_are_linkerd2_proxys() {
+        let v11: http::Uri = "/path".parse().unwrap();
+        let abs: http::Uri = "http://web.demo:80/path".parse().unwrap();
+        for (version, uri, expected) in [
+            (http::Version::HTTP_11, &v11, "HTTP/1.1"),
+            (http::Version::HTTP_11, &abs, "HTTP/1.1; absolute-form"),
+            (http::Version::HTTP_10, &v11, "HTTP/1.0"),
+            (http::Version::HTTP_10, &abs, "HTTP/1.0; absolute-form"),
+        ] {
+            let orig = OrigProto::of(version, uri);
+            assert_eq!(orig.header_value(), expected);
+            let mut h = HeaderMap::new();
+            h.insert(ORIG_PROTO, orig.header_value());
+            assert_eq!(take_orig_proto(&mut h), Some(orig));
+            assert!(h.is_empty());
+        }
+        // The old name is read too, and both always go.
+        let mut h = HeaderMap::new();
+        h.insert(LEGACY_ORIG_PROTO, HeaderValue::from_static("HTTP/1.1"));
+        let legacy = take_orig_proto(&mut h).unwrap();
+        assert!(legacy.legacy && legacy.version == http::Version::HTTP_11);
+        h.insert(ORIG_PROTO, HeaderValue::from_static("SPDY/3"));
+        h.insert(LEGACY_ORIG_PROTO, HeaderValue::from_static("HTTP/1.1"));
+        assert_eq!(
+            take_orig_proto(&mut h),
+            None,
+            "an unknown value names no version"
+        );
+        assert!(h.is_empty());
+    }
+
+    #[test]
+    fn an_http1_request_carried_over_http2_is_marked() {
+        let req = http::Request::get("http://web.demo:80/x?y")
+            .version(http::Version::HTTP_10)
+            .body(())
+            .unwrap();
+        let (parts, ()) = req.into_parts();
+        let orig = OrigProto::of(parts.version, &parts.uri);
+        let h2 = rewrite_for_hop(parts, full(""), "web.demo:80", Proto::Http2, Some(orig));
+        assert_eq!(h2.version(), http::Version::HTTP_2);
+        assert_eq!(h2.headers()[ORIG_PROTO], "HTTP/1.0; absolute-form");
+        assert!(!h2.headers().contains_key(LEGACY_ORIG_PROTO));
+        // The peer's inbound restores the first hop's form.
+        let (mut parts, _) = h2.into_parts();
+        let orig = take_orig_proto(&mut parts.headers);
+        let h1 = rewrite_for_hop(parts, full(""), "web.demo:80", Proto::Http1, orig);
+        assert_eq!(h1.version(), http::Version::HTTP_10);
+        assert_eq!(h1.uri(), "http://web.demo:80/x?y");
+        assert_eq!(h1.headers()[header::HOST], "web.demo:80");
     }
 
     #[test]

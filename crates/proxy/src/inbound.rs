@@ -33,7 +33,7 @@ use crate::errors::ProxyError;
 use crate::http::Proto;
 use crate::http::{
     error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
-    strip_mesh_asserted, Body, CLIENT_ID, ORIG_PROTO, PROXY_ERROR,
+    strip_mesh_asserted, take_orig_proto, Body, CLIENT_ID, ORIG_PROTO, PROXY_ERROR,
 };
 use crate::metrics::{Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
@@ -56,6 +56,12 @@ enum Refusal {
     /// this proxy was not told so (`--inbound-opaque`).
     OpaqueUndeclared,
     NotHttp(Unrecognized),
+    /// A transport header that could not be read.
+    TransportHeader(crate::transport_header::HeaderError),
+    /// A transport header naming a port this proxy does not front.
+    OtherPort(u16),
+    /// A transport header naming a gateway target: this is no gateway.
+    GatewayName,
 }
 
 impl Refusal {
@@ -63,6 +69,9 @@ impl Refusal {
         match self {
             Refusal::OpaqueUndeclared => "opaque_undeclared",
             Refusal::NotHttp(why) => why.reason(),
+            Refusal::TransportHeader(e) => e.reason(),
+            Refusal::OtherPort(_) => "transport_header_port",
+            Refusal::GatewayName => "transport_header_name",
         }
     }
 }
@@ -74,6 +83,14 @@ impl std::fmt::Display for Refusal {
                 "opaque TCP to a port not declared opaque (start the proxy with --inbound-opaque)",
             ),
             Refusal::NotHttp(why) => write!(f, "{why}"),
+            Refusal::TransportHeader(e) => write!(f, "{e}"),
+            Refusal::OtherPort(port) => write!(
+                f,
+                "transport header names port {port}, which this proxy does not front"
+            ),
+            Refusal::GatewayName => {
+                f.write_str("transport header names a gateway target; this proxy is not a gateway")
+            }
         }
     }
 }
@@ -111,6 +128,14 @@ impl Inbound {
         mode: TlsMode,
     ) -> Self {
         let connector = Connector::plain(connect_timeout);
+        // A peer proxy that offers the transport header's ALPN (as
+        // linkerd2-proxy does for opaque TCP) gets it; one that offers no
+        // ALPN sends no header.
+        let tls = tls.map(|config| {
+            let mut config = (*config).clone();
+            config.alpn_protocols = vec![crate::transport_header::ALPN.to_vec()];
+            Arc::new(config)
+        });
         Self {
             app: config.app,
             client: EndpointClient::new(config.app, None, connector.clone()),
@@ -156,20 +181,25 @@ impl Inbound {
         let Ok(first) = detect::first_bytes(&mut stream, DETECT_TIMEOUT).await else {
             return;
         };
+        let local_port = stream.local_addr().map_or(0, |a| a.port());
         let is_tls = first.first() == Some(&TLS_HANDSHAKE);
+        let mut transport_header = false;
         let (mut io, read, hop): (BoxedIo, Bytes, Hop) = match (&self.tls, is_tls) {
             (Some(config), true) => {
-                match crate::tls::terminate(config.clone(), first, stream).await {
-                    Ok((tls, client_id)) => (
-                        tls,
-                        Bytes::new(),
-                        Hop {
-                            tls: true,
-                            client_id,
-                            peer: Some(peer),
-                            ..Hop::default()
-                        },
-                    ),
+                match crate::tls::terminate_negotiated(config.clone(), first, stream).await {
+                    Ok(t) => {
+                        transport_header = t.transport_header;
+                        (
+                            t.io,
+                            Bytes::new(),
+                            Hop {
+                                tls: true,
+                                client_id: t.client_id,
+                                peer: Some(peer),
+                                ..Hop::default()
+                            },
+                        )
+                    }
                     Err(e) => {
                         self.metrics.refuse("tls_handshake");
                         if let Some(suppressed) = REFUSAL_LOG.allow() {
@@ -195,6 +225,11 @@ impl Inbound {
                 },
             ),
         };
+        if transport_header {
+            return self
+                .serve_transport_header(io, peer, local_port, hop, conn)
+                .await;
+        }
         if self.opaque {
             let silent = !hop.tls && read.is_empty();
             let prefix = if silent {
@@ -224,20 +259,14 @@ impl Inbound {
         let refusal = match proto {
             Protocol::Closed => return,
             Protocol::Http => {
-                let hop = Arc::new(hop);
-                let svc = move |req| {
-                    let (this, hop) = (self.clone(), hop.clone());
-                    async move { this.handle(req, &hop).await }
-                };
-                return serve_http(PrefixedIo::new(prefix, io), svc, conn).await;
+                return self
+                    .serve_http(PrefixedIo::new(prefix, io), hop, conn)
+                    .await
             }
             Protocol::OpaqueTransport => Refusal::OpaqueUndeclared,
             Protocol::Unrecognized(why) => Refusal::NotHttp(why),
         };
-        self.metrics.refuse(refusal.reason());
-        if let Some(suppressed) = REFUSAL_LOG.allow() {
-            tracing::warn!(%peer, reason = %refusal, suppressed, "inbound connection refused");
-        }
+        self.refuse(&refusal, peer);
         if let Refusal::NotHttp(why) = refusal {
             if why.answer_400() {
                 let _ = io.write_all(&raw_bad_request(&why.to_string())).await;
@@ -246,9 +275,62 @@ impl Inbound {
         }
     }
 
-    async fn handle(&self, req: Request<Incoming>, hop: &Hop) -> Response<Body> {
+    fn refuse(&self, refusal: &Refusal, peer: SocketAddr) {
+        self.metrics.refuse(refusal.reason());
+        if let Some(suppressed) = REFUSAL_LOG.allow() {
+            tracing::warn!(%peer, reason = %refusal, suppressed, "inbound connection refused");
+        }
+    }
+
+    async fn serve_http<I: crate::tls::Io>(self: Arc<Self>, io: I, hop: Hop, conn: Conn) {
+        let hop = Arc::new(hop);
+        let svc = move |req| {
+            let (this, hop) = (self.clone(), hop.clone());
+            async move { this.handle(req, &hop).await }
+        };
+        serve_http(io, svc, conn).await
+    }
+
+    /// A peer proxy agreed on ALPN `transport.l5d.io/v1`, so a transport
+    /// header comes first (linkerd2-proxy's convention for opaque TCP):
+    /// it names the target port and whether HTTP follows. This proxy
+    /// fronts one app, so the port must be the app's, or the port the
+    /// client connected to (the endpoint address discovery gave it);
+    /// opaque TCP needs the app's port declared opaque, as it does without
+    /// a header.
+    async fn serve_transport_header(
+        self: Arc<Self>,
+        mut io: BoxedIo,
+        peer: SocketAddr,
+        local_port: u16,
+        hop: Hop,
+        conn: Conn,
+    ) {
+        let (target, rest) =
+            match crate::transport_header::read(&mut io, Bytes::new(), DETECT_TIMEOUT).await {
+                Ok(read) => read,
+                Err(e) => {
+                    return self.refuse(&Refusal::TransportHeader(e), peer);
+                }
+            };
+        let refusal = if target.name.is_some() {
+            Refusal::GatewayName
+        } else if target.port != self.app.port() && target.port != local_port {
+            Refusal::OtherPort(target.port)
+        } else if target.http {
+            return self.serve_http(PrefixedIo::new(rest, io), hop, conn).await;
+        } else if self.opaque {
+            return self.forward_tcp(io, rest, peer).await;
+        } else {
+            Refusal::OpaqueUndeclared
+        };
+        self.refuse(&refusal, peer);
+    }
+
+    async fn handle(&self, mut req: Request<Incoming>, hop: &Hop) -> Response<Body> {
         let start = Instant::now();
         let tapped = self.metrics.tap.request(&req);
+        let upgrade = crate::upgrade::take(&mut req);
         let grpc = is_grpc(req.headers());
         let authority = request_authority(&req).unwrap_or_else(|| self.app.to_string());
         if req.method() == http::Method::CONNECT {
@@ -263,7 +345,11 @@ impl Inbound {
         }
         let version = req.version();
         let (mut parts, body) = req.into_parts();
-        let downgrade = parts.headers.remove(ORIG_PROTO).is_some();
+        let orig = if version == Version::HTTP_2 {
+            take_orig_proto(&mut parts.headers)
+        } else {
+            None
+        };
         strip_hop_by_hop(&mut parts.headers);
         strip_mesh_asserted(&mut parts.headers);
         if let Some(id) = hop
@@ -273,7 +359,7 @@ impl Inbound {
         {
             parts.headers.insert(CLIENT_ID, id);
         }
-        let proto = if downgrade || version != Version::HTTP_2 {
+        let proto = if orig.is_some() || version != Version::HTTP_2 {
             Proto::Http1
         } else {
             Proto::Http2
@@ -285,7 +371,7 @@ impl Inbound {
                     body.boxed(),
                     &authority,
                     proto,
-                    false,
+                    orig,
                 ))
                 .await
                 .map_err(|e| ProxyError::App {
@@ -297,13 +383,22 @@ impl Inbound {
                 reason,
             }),
         };
-        let rsp = match result {
+        let mut rsp = match result {
             Ok(rsp) => {
                 let (mut parts, body) = rsp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
                 // Only the proxy may say that it, not the app, failed: the
                 // client's proxy retries on that word.
                 parts.headers.remove(PROXY_ERROR);
+                parts.headers.remove(ORIG_PROTO);
+                if orig.is_some_and(|o| !o.legacy) {
+                    // As linkerd2-proxy's inbound answers (its outbound
+                    // removes it); a Tether proxy older than this name
+                    // would pass it on to its app, so it gets none.
+                    parts
+                        .headers
+                        .insert(ORIG_PROTO, HeaderValue::from_static("HTTP/1.1"));
+                }
                 Response::from_parts(parts, body.boxed())
             }
             Err(e) => {
@@ -313,6 +408,9 @@ impl Inbound {
                 error_response(&e, grpc)
             }
         };
+        if let Some(upgrade) = upgrade {
+            upgrade.splice(&mut rsp);
+        }
         self.metrics.record_tapped_response(
             rsp,
             "inbound",

@@ -37,6 +37,10 @@
 //!   certified by the control plane, renewed before expiry.
 //! - [`tls`]: when a connection between proxies is mTLS, plaintext, or
 //!   refused (`--tls opportunistic|mandatory`).
+//! - [`transport_header`]: linkerd2-proxy's opaque transport header, which
+//!   names the target port of an mTLS connection to a peer's inbound.
+//! - [`upgrade`]: HTTP/1.1 upgrades (WebSocket): the two upgraded
+//!   connections joined into one bounded tunnel.
 //! - [`classify`]: counts a response once its outcome is known (gRPC's
 //!   status comes in the trailers).
 //! - [`metrics`]: request counts, latency histograms, open connections.
@@ -63,6 +67,8 @@ pub mod serve;
 pub mod sidecar;
 pub mod tap;
 pub mod tls;
+pub mod transport_header;
+pub mod upgrade;
 
 pub use sidecar::{run, ProxyConfig};
 

@@ -253,9 +253,17 @@ where
         direction,
         _permit,
     } = conn;
+    // An upgraded connection outlives this one and keeps its place.
+    let slot = crate::upgrade::ConnSlot {
+        _held: Arc::new((_permit, drain.clone())),
+        idle_timeout: limits.idle_timeout,
+    };
     let in_flight = Arc::new(InFlight::default());
     let tracker = in_flight.clone();
-    let svc = hyper::service::service_fn(move |req| {
+    let svc = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        if crate::upgrade::wants_upgrade(req.headers()) {
+            req.extensions_mut().insert(slot.clone());
+        }
         let guard = InFlightGuard::new(&tracker);
         let fut = service(req);
         async move {
@@ -279,7 +287,9 @@ where
         .timer(TokioTimer::new())
         .max_concurrent_streams(MAX_STREAMS)
         .max_header_list_size(64 * 1024);
-    let conn = builder.serve_connection(TokioIo::new(io), svc).into_owned();
+    let conn = builder
+        .serve_connection_with_upgrades(TokioIo::new(io), svc)
+        .into_owned();
     tokio::pin!(conn);
     let draining = async {
         let _ = drain.wait_for(|d| *d).await;

@@ -45,6 +45,10 @@ pub type BoxedIo = Box<dyn Io>;
 
 pub struct TlsClient {
     pub config: Arc<ClientConfig>,
+    /// `config` offering ALPN [`crate::transport_header::ALPN`]: for opaque
+    /// TCP to a peer proxy, which then expects a transport header. Plain
+    /// `config` offers no ALPN, as linkerd2-proxy's HTTP connections do.
+    pub transport_header: Arc<ClientConfig>,
     pub store: Arc<CertStore>,
     pub mode: TlsMode,
 }
@@ -61,9 +65,12 @@ impl TlsClient {
         let roots = Arc::new(tether_identity::tls::load_roots(trust_root)?);
         let client = tether_identity::tls::client_config(store.clone(), roots.clone())?;
         let server = tether_identity::tls::server_config(store.clone(), roots)?;
+        let mut transport_header = (*client).clone();
+        transport_header.alpn_protocols = vec![crate::transport_header::ALPN.to_vec()];
         Ok((
             Arc::new(Self {
                 config: client,
+                transport_header: Arc::new(transport_header),
                 store,
                 mode,
             }),
@@ -122,6 +129,28 @@ impl Connector {
         addr: SocketAddr,
         identity: Option<&str>,
     ) -> Result<(BoxedIo, bool), String> {
+        self.connect_offering(addr, identity, false)
+            .await
+            .map(|c| (c.io, c.tls))
+    }
+
+    /// Connects to `addr` for opaque TCP to a peer proxy: over mTLS the
+    /// connection offers ALPN `transport.l5d.io/v1`, and says whether the
+    /// peer accepted it (then it expects a transport header first).
+    pub async fn connect_opaque(
+        &self,
+        addr: SocketAddr,
+        identity: Option<&str>,
+    ) -> Result<Connected, String> {
+        self.connect_offering(addr, identity, true).await
+    }
+
+    async fn connect_offering(
+        &self,
+        addr: SocketAddr,
+        identity: Option<&str>,
+        transport_header: bool,
+    ) -> Result<Connected, String> {
         let plan = self.plan(identity);
         if let Plan::Refuse(reason) = plan {
             return Err(reason);
@@ -131,17 +160,41 @@ impl Connector {
             (Plan::Tls(id), Some(tls)) => {
                 let name = ServerName::try_from(id.to_string())
                     .map_err(|_| format!("{id:?} is not a valid TLS name"))?;
-                let connector = tokio_rustls::TlsConnector::from(tls.config.clone());
+                let config = if transport_header {
+                    &tls.transport_header
+                } else {
+                    &tls.config
+                };
+                let connector = tokio_rustls::TlsConnector::from(config.clone());
                 let stream =
                     tokio::time::timeout(self.connect_timeout, connector.connect(name, tcp))
                         .await
                         .map_err(|_| format!("TLS handshake with {id} timed out"))?
                         .map_err(|e| explain(&e, id))?;
-                Ok((Box::new(stream), true))
+                let transport_header =
+                    stream.get_ref().1.alpn_protocol() == Some(crate::transport_header::ALPN);
+                Ok(Connected {
+                    io: Box::new(stream),
+                    tls: true,
+                    transport_header,
+                })
             }
-            _ => Ok((Box::new(tcp), false)),
+            _ => Ok(Connected {
+                io: Box::new(tcp),
+                tls: false,
+                transport_header: false,
+            }),
         }
     }
+}
+
+/// A connection made by [`Connector::connect_opaque`].
+pub struct Connected {
+    pub io: BoxedIo,
+    pub tls: bool,
+    /// The peer agreed on ALPN `transport.l5d.io/v1`: a transport header
+    /// must come first.
+    pub transport_header: bool,
 }
 
 /// A TCP connection to `addr`, within `timeout`, without Nagle's delay.
@@ -160,6 +213,15 @@ pub async fn connect_tcp(
 /// How long a client may take to complete a TLS handshake.
 pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// A TLS connection a listener accepted.
+pub struct Terminated {
+    pub io: BoxedIo,
+    /// The client's verified identity.
+    pub client_id: Option<Arc<str>>,
+    /// Client and server agreed on ALPN `transport.l5d.io/v1`.
+    pub transport_header: bool,
+}
+
 /// Terminates TLS on an accepted connection whose first bytes (`prefix`)
 /// were already read; returns the stream and the client's verified identity.
 pub async fn terminate(
@@ -167,6 +229,17 @@ pub async fn terminate(
     prefix: bytes::Bytes,
     stream: tokio::net::TcpStream,
 ) -> std::io::Result<(BoxedIo, Option<Arc<str>>)> {
+    terminate_negotiated(config, prefix, stream)
+        .await
+        .map(|t| (t.io, t.client_id))
+}
+
+/// [`terminate`], also saying what ALPN the client agreed on.
+pub async fn terminate_negotiated(
+    config: Arc<rustls::ServerConfig>,
+    prefix: bytes::Bytes,
+    stream: tokio::net::TcpStream,
+) -> std::io::Result<Terminated> {
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let handshake = acceptor.accept(crate::detect::PrefixedIo::new(prefix, stream));
     let tls = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake)
@@ -184,7 +257,12 @@ pub async fn terminate(
         .and_then(|c| c.first())
         .and_then(|c| tether_identity::cert::identity_of(c))
         .map(Arc::from);
-    Ok((Box::new(tls), client_id))
+    let transport_header = tls.get_ref().1.alpn_protocol() == Some(crate::transport_header::ALPN);
+    Ok(Terminated {
+        io: Box::new(tls),
+        client_id,
+        transport_header,
+    })
 }
 
 #[cfg(test)]

@@ -18,7 +18,8 @@ use crate::client::EndpointClient;
 use crate::errors::ProxyError;
 use crate::http::Proto;
 use crate::http::{
-    rewrite_for_hop, strip_hop_by_hop, strip_mesh_asserted, Body, ORIG_PROTO, PROXY_ERROR,
+    rewrite_for_hop, strip_hop_by_hop, strip_mesh_asserted, Body, OrigProto, ORIG_PROTO,
+    PROXY_ERROR,
 };
 use crate::metrics::Hop;
 
@@ -59,6 +60,8 @@ impl Outbound {
             authority,
             version,
         } = *ctx;
+        // HTTP/2 has no upgrades: an upgrade stays HTTP/1.1 to peers too.
+        let upgrade = crate::upgrade::wants_upgrade(&parts.headers);
         let mut request = Some((parts, body));
         let mut last_error = ProxyError::FailFast;
         for _ in 0..CONNECT_ATTEMPTS {
@@ -67,7 +70,7 @@ impl Outbound {
             };
             let addr = ep.endpoint.addr;
             tried.push(addr);
-            let proto = if ep.endpoint.meshed || version == Version::HTTP_2 {
+            let proto = if !upgrade && (ep.endpoint.meshed || version == Version::HTTP_2) {
                 Proto::Http2
             } else {
                 Proto::Http1
@@ -88,19 +91,23 @@ impl Outbound {
                 ..Hop::default()
             };
             let (parts, body) = request.take().expect("request is sent once");
-            let carry_http1 = ep.endpoint.meshed && version != Version::HTTP_2;
+            let orig = (proto == Proto::Http2 && version != Version::HTTP_2)
+                .then(|| OrigProto::of(version, &parts.uri));
             let hop_authority = ep
                 .endpoint
                 .authority_override
                 .as_deref()
                 .unwrap_or(authority);
-            let req = rewrite_for_hop(parts, body, hop_authority, proto, carry_http1);
+            let req = rewrite_for_hop(parts, body, hop_authority, proto, orig);
             let sent = Instant::now();
             return match conn.send(req).await {
                 Ok(rsp) => {
                     in_flight.observe(sent.elapsed());
                     let (mut parts, body) = rsp.into_parts();
                     strip_hop_by_hop(&mut parts.headers);
+                    // linkerd2-proxy's inbound marks its answer to a marked
+                    // request; the marker is for this hop only.
+                    parts.headers.remove(ORIG_PROTO);
                     if !ep.endpoint.meshed {
                         // Only a peer proxy may say that it, not the app, failed.
                         parts.headers.remove(PROXY_ERROR);
@@ -140,13 +147,13 @@ impl Outbound {
         let (mut parts, body) = req.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         strip_mesh_asserted(&mut parts.headers);
-        parts.headers.remove(ORIG_PROTO);
+        let orig = carry_http1.then(|| OrigProto::of(parts.version, &parts.uri));
         let conn = client
             .connection(proto)
             .await
             .map_err(|reason| ProxyError::Connect { addr, reason })?;
         let tls = conn.tls;
-        let req = rewrite_for_hop(parts, body, authority, proto, carry_http1);
+        let req = rewrite_for_hop(parts, body, authority, proto, orig);
         let rsp = conn.send(req).await.map_err(|e| ProxyError::Upstream {
             addr,
             reason: e.to_string(),

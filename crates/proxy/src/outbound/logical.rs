@@ -29,9 +29,10 @@ pub(super) fn normalize(authority: &str) -> Result<String, ProxyError> {
 }
 
 impl Outbound {
-    pub async fn handle(&self, req: Request<Incoming>, pinned: Option<&str>) -> Response<Body> {
+    pub async fn handle(&self, mut req: Request<Incoming>, pinned: Option<&str>) -> Response<Body> {
         let start = Instant::now();
         let tapped = self.metrics.tap.request(&req);
+        let upgrade = crate::upgrade::take(&mut req);
         let grpc = is_grpc(req.headers());
         if req.method() == Method::CONNECT {
             let rsp = error_response(&ProxyError::ConnectUnsupported, grpc);
@@ -62,10 +63,13 @@ impl Outbound {
             }
             Err(e) => ("".to_string(), Err(e)),
         };
-        let (rsp, hop) = result.unwrap_or_else(|e| {
+        let (mut rsp, hop) = result.unwrap_or_else(|e| {
             tracing::debug!(authority = %label, error = %e, "outbound request failed");
             (error_response(&e, grpc), Hop::default())
         });
+        if let Some(upgrade) = upgrade {
+            upgrade.splice(&mut rsp);
+        }
         self.metrics
             .record_tapped_response(rsp, "outbound", label, start.elapsed(), hop, tapped)
     }

@@ -1,6 +1,11 @@
 //! The opaque TCP path: a connection to a port declared opaque is copied
-//! byte for byte to an endpoint (after Tether's opaque preface when the
-//! endpoint is a peer proxy), trying up to three endpoints to connect.
+//! byte for byte to an endpoint, trying up to three endpoints to connect.
+//! To a peer proxy (discovery's `opaque_transport` hint) the connection
+//! offers ALPN `transport.l5d.io/v1` over mTLS and, when the peer accepts
+//! it, starts with linkerd2-proxy's transport header naming the target
+//! port ([`crate::transport_header`]). Tether's control plane gives the
+//! peer's inbound address as the endpoint, so the target port is the
+//! endpoint's port.
 
 use std::sync::Arc;
 
@@ -8,7 +13,6 @@ use tokio::io::AsyncWriteExt;
 
 use super::{Outbound, CONNECT_ATTEMPTS};
 use crate::balance::{pick, EndpointHandle};
-use crate::detect::OPAQUE_PREFACE;
 
 impl Outbound {
     pub(super) async fn forward_tcp(
@@ -21,8 +25,28 @@ impl Outbound {
         while let Some(ep) = pick(endpoints, &tried) {
             let addr = ep.endpoint.addr;
             let _in_flight = ep.start();
-            let mut server = match ep.client.connect_stream().await {
-                Ok((s, _tls)) => s,
+            let connected = if ep.endpoint.meshed {
+                ep.client.connect_opaque().await
+            } else {
+                ep.client
+                    .connect_stream()
+                    .await
+                    .map(|(io, tls)| crate::tls::Connected {
+                        io,
+                        tls,
+                        transport_header: false,
+                    })
+            };
+            let mut server = match connected {
+                Ok(c) if c.transport_header => {
+                    let mut io = c.io;
+                    let header = crate::transport_header::encode(addr.port());
+                    if io.write_all(&header).await.is_err() {
+                        return;
+                    }
+                    io
+                }
+                Ok(c) => c.io,
                 Err(reason) => {
                     tracing::debug!(%authority, %addr, %reason, "opaque connect failed");
                     ep.mark_failed();
@@ -33,9 +57,6 @@ impl Outbound {
                     continue;
                 }
             };
-            if ep.endpoint.meshed && server.write_all(OPAQUE_PREFACE).await.is_err() {
-                return;
-            }
             let copied = tokio::io::copy_bidirectional(&mut client, &mut server).await;
             if let Ok((up, down)) = copied {
                 self.metrics

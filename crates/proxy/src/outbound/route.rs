@@ -15,7 +15,7 @@ use super::service::Service;
 use super::Outbound;
 use crate::balance::EndpointHandle;
 use crate::errors::ProxyError;
-use crate::http::{strip_hop_by_hop, strip_mesh_asserted, Body, ORIG_PROTO};
+use crate::http::{strip_hop_by_hop, strip_mesh_asserted, take_orig_proto, Body};
 use crate::metrics::Hop;
 
 /// Retries (after a request was sent) per request, whatever the budget.
@@ -35,14 +35,12 @@ fn clone_parts(parts: &http::request::Parts) -> http::request::Parts {
 /// had at its origin: a request that reached us over HTTP/2 from another
 /// proxy (a gateway's case) may have been HTTP/1.
 fn head_for_mesh(parts: &mut http::request::Parts) -> Version {
-    let version = if parts.headers.contains_key(ORIG_PROTO) {
-        Version::HTTP_11
-    } else {
-        parts.version
+    let version = match take_orig_proto(&mut parts.headers) {
+        Some(orig) => orig.version,
+        None => parts.version,
     };
     strip_hop_by_hop(&mut parts.headers);
     strip_mesh_asserted(&mut parts.headers);
-    parts.headers.remove(ORIG_PROTO);
     version
 }
 
