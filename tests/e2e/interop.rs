@@ -251,6 +251,19 @@ async fn a_linkerd2_proxy_client_reaches_an_http1_only_app() {
         let body = rsp.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(body, format!("{seen} markers:"), "{name}: {marker}");
     }
+    // Offering the transport header's ALPN must not turn away a client
+    // that offers only the usual ones (TLS refuses a handshake whose ALPN
+    // lists do not meet).
+    for alpn in [&b"h2"[..], b"http/1.1"] {
+        let tls = mesh.client_tls("other", &[alpn]).await;
+        let mut h2 = h2_over_tls(server.addr("inbound"), tls, &id("web")).await;
+        let req = http::Request::get(&absolute)
+            .header("l5d-orig-proto", "HTTP/1.1")
+            .body(Empty::new())
+            .unwrap();
+        let rsp = h2.send_request(req).await.unwrap();
+        assert_eq!(rsp.status(), 200, "{}", String::from_utf8_lossy(alpn));
+    }
 }
 
 /// A TLS server playing linkerd2-proxy's inbound port: reports each

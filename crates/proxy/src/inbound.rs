@@ -130,10 +130,13 @@ impl Inbound {
         let connector = Connector::plain(connect_timeout);
         // A peer proxy that offers the transport header's ALPN (as
         // linkerd2-proxy does for opaque TCP) gets it; one that offers no
-        // ALPN sends no header.
+        // ALPN sends no header. The usual protocols are listed too: TLS
+        // refuses a client whose ALPN list meets none of the server's.
         let tls = tls.map(|config| {
             let mut config = (*config).clone();
-            config.alpn_protocols = vec![crate::transport_header::ALPN.to_vec()];
+            config.alpn_protocols = [crate::transport_header::ALPN, b"h2", b"http/1.1"]
+                .map(<[u8]>::to_vec)
+                .to_vec();
             Arc::new(config)
         });
         Self {
