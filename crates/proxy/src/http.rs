@@ -191,6 +191,17 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// [`strip_hop_by_hop`] for a response: the upgrade pair stays only on
+/// `101 Switching Protocols` (elsewhere it would be one more header an
+/// HTTP/2 client's connection must drop).
+pub fn strip_hop_by_hop_response(status: StatusCode, headers: &mut HeaderMap) {
+    strip_hop_by_hop(headers);
+    if status != StatusCode::SWITCHING_PROTOCOLS {
+        headers.remove(header::CONNECTION);
+        headers.remove(header::UPGRADE);
+    }
+}
+
 pub fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
@@ -340,6 +351,13 @@ mod tests {
         assert_eq!(h[header::CONNECTION], "upgrade");
         assert_eq!(h[header::UPGRADE], "websocket");
         assert!(!h.contains_key("x-private"));
+        let mut response = h.clone();
+        strip_hop_by_hop_response(StatusCode::SWITCHING_PROTOCOLS, &mut response);
+        assert_eq!(response[header::UPGRADE], "websocket");
+        strip_hop_by_hop_response(StatusCode::OK, &mut response);
+        assert!(
+            !response.contains_key(header::UPGRADE) && !response.contains_key(header::CONNECTION)
+        );
         h.insert(header::UPGRADE, HeaderValue::from_static("h2c"));
         strip_hop_by_hop(&mut h);
         assert!(!h.contains_key(header::UPGRADE) && !h.contains_key(header::CONNECTION));

@@ -33,7 +33,8 @@ use crate::errors::ProxyError;
 use crate::http::Proto;
 use crate::http::{
     error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
-    strip_mesh_asserted, take_orig_proto, Body, CLIENT_ID, ORIG_PROTO, PROXY_ERROR,
+    strip_hop_by_hop_response, strip_mesh_asserted, take_orig_proto, Body, CLIENT_ID, ORIG_PROTO,
+    PROXY_ERROR,
 };
 use crate::metrics::{Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
@@ -389,7 +390,7 @@ impl Inbound {
         let mut rsp = match result {
             Ok(rsp) => {
                 let (mut parts, body) = rsp.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
+                strip_hop_by_hop_response(parts.status, &mut parts.headers);
                 // Only the proxy may say that it, not the app, failed: the
                 // client's proxy retries on that word.
                 parts.headers.remove(PROXY_ERROR);

@@ -18,8 +18,8 @@ use crate::client::EndpointClient;
 use crate::errors::ProxyError;
 use crate::http::Proto;
 use crate::http::{
-    rewrite_for_hop, strip_hop_by_hop, strip_mesh_asserted, Body, OrigProto, ORIG_PROTO,
-    PROXY_ERROR,
+    rewrite_for_hop, strip_hop_by_hop, strip_hop_by_hop_response, strip_mesh_asserted, Body,
+    OrigProto, ORIG_PROTO, PROXY_ERROR,
 };
 use crate::metrics::Hop;
 
@@ -104,7 +104,7 @@ impl Outbound {
                 Ok(rsp) => {
                     in_flight.observe(sent.elapsed());
                     let (mut parts, body) = rsp.into_parts();
-                    strip_hop_by_hop(&mut parts.headers);
+                    strip_hop_by_hop_response(parts.status, &mut parts.headers);
                     // linkerd2-proxy's inbound marks its answer to a marked
                     // request; the marker is for this hop only.
                     parts.headers.remove(ORIG_PROTO);
@@ -159,7 +159,7 @@ impl Outbound {
             reason: e.to_string(),
         })?;
         let (mut parts, body) = rsp.into_parts();
-        strip_hop_by_hop(&mut parts.headers);
+        strip_hop_by_hop_response(parts.status, &mut parts.headers);
         parts.headers.remove(PROXY_ERROR);
         Ok((Response::from_parts(parts, body.boxed()), tls))
     }
