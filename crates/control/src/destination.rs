@@ -23,9 +23,9 @@ use std::sync::{Arc, Mutex};
 
 use futures::{Stream, StreamExt};
 use linkerd2_proxy_api::destination::{
-    self as api, destination_server::Destination, protocol_hint, request_match, tls_identity,
-    update, DestinationProfile, GetDestination, PathMatch, ProtocolHint, RequestMatch, RetryBudget,
-    Route, TlsIdentity, Update, WeightedAddr, WeightedAddrSet,
+    self as api, destination_server::Destination, protocol_hint, tls_identity, update,
+    DestinationProfile, GetDestination, ProtocolHint, TlsIdentity, Update, WeightedAddr,
+    WeightedAddrSet,
 };
 use linkerd2_proxy_api::net::TcpAddress;
 use tether_admin::Shutdown;
@@ -53,6 +53,8 @@ pub type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 's
 #[derive(Clone)]
 pub struct DestinationService {
     pub index: Index,
+    /// Profile streams (and policy watches): follow a service's routes.
+    pub routing: crate::policy::RoutingStreams,
     pub cluster_domain: String,
     pub metrics: ControlMetrics,
     pub shutdown: Shutdown,
@@ -593,57 +595,58 @@ impl DestinationService {
         )))
     }
 
-    fn profile_for(&self, path: &str) -> Result<DestinationProfile, Status> {
+    /// What a `GetProfile` path names: a service port (whose profile
+    /// follows its routes), or a fixed answer (an endpoint, an unknown
+    /// address, a global name).
+    fn profile_for(&self, path: &str) -> Result<ProfileTarget, Status> {
         let (host, port) =
             split_host_port(path).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let ip = host.trim_start_matches('[').trim_end_matches(']');
         if let Ok(ip) = ip.parse::<std::net::IpAddr>() {
             let addr = SocketAddr::new(ip, port);
-            return Ok(match self.index.find_endpoint(addr) {
-                Some((_, _, meta)) => DestinationProfile {
-                    opaque_protocol: meta.opaque,
-                    endpoint: Some(weighted_addr(addr, &meta)),
-                    ..Default::default()
+            if let Some(service) = self.index.service_by_ip(addr) {
+                return Ok(ProfileTarget::Service(service, port));
+            }
+            return Ok(ProfileTarget::Fixed(Box::new(
+                match self.index.find_endpoint(addr) {
+                    Some((_, _, meta)) => DestinationProfile {
+                        opaque_protocol: meta.opaque,
+                        endpoint: Some(weighted_addr(addr, &meta)),
+                        ..Default::default()
+                    },
+                    // Neither a service nor an endpoint: no name, so the client
+                    // sends to the address as it is.
+                    None => DestinationProfile::default(),
                 },
-                None => DestinationProfile::default(),
-            });
+            )));
         }
         if let Some((global, _)) = global_path(path) {
-            return Ok(DestinationProfile {
+            return Ok(ProfileTarget::Fixed(Box::new(DestinationProfile {
                 fully_qualified_name: format!("{global}.global"),
                 ..Default::default()
-            });
+            })));
         }
         let auth = parse_service_authority(path, &self.cluster_domain)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         self.check_port(&auth.service, auth.port)?;
-        let service = self.index.service(&auth.service);
-        Ok(DestinationProfile {
-            fully_qualified_name: auth.service.fqdn(&self.cluster_domain),
-            opaque_protocol: self
-                .index
-                .snapshot(&SlotKey::Service(auth.service.clone()), auth.port)
-                .opaque,
-            // Only a registry override: without it proxies use their own default.
-            retry_budget: service
-                .as_ref()
-                .and_then(|s| s.retry_budget)
-                .map(|b| RetryBudget {
-                    retry_ratio: b.ratio,
-                    min_retries_per_second: b.min_per_second,
-                    ttl: prost_types::Duration::try_from(
-                        tether_core::registry::RETRY_BUDGET_WINDOW,
-                    )
-                    .ok(),
-                }),
-            routes: service
-                .as_ref()
-                .and_then(|s| s.response_timeout)
-                .map(|t| vec![default_route(t)])
-                .unwrap_or_default(),
-            ..Default::default()
-        })
+        if self.index.service(&auth.service).is_none() {
+            // A name would make the client treat it as a mesh service and
+            // wait for endpoints that never come (its fail-fast timeout);
+            // INVALID_ARGUMENT is what linkerd2-proxy reads as "not a mesh
+            // destination" and acts on at once.
+            return Err(Status::invalid_argument(format!(
+                "service {} does not exist",
+                auth.service
+            )));
+        }
+        Ok(ProfileTarget::Service(auth.service, auth.port))
     }
+}
+
+/// What a `GetProfile` answers.
+enum ProfileTarget {
+    Service(ServiceKey, u16),
+    Fixed(Box<DestinationProfile>),
 }
 
 #[tonic::async_trait]
@@ -685,21 +688,25 @@ impl Destination for DestinationService {
         &self,
         req: Request<GetDestination>,
     ) -> Result<Response<Self::GetProfileStream>, Status> {
-        let profile = self.profile_for(&req.into_inner().path)?;
-        Ok(Response::new(one_then_hold(profile, self.shutdown.clone())))
-    }
-}
-
-/// The route a service's `response_timeout` travels in: every path, with
-/// the timeout (zero: none, for Tether's proxy), labelled `route=default`.
-fn default_route(timeout: std::time::Duration) -> Route {
-    Route {
-        condition: Some(RequestMatch {
-            r#match: Some(request_match::Match::Path(PathMatch { regex: ".*".into() })),
-        }),
-        metrics_labels: [("route".to_string(), "default".to_string())].into(),
-        timeout: prost_types::Duration::try_from(timeout).ok(),
-        ..Default::default()
+        match self.profile_for(&req.into_inner().path)? {
+            ProfileTarget::Fixed(profile) => Ok(Response::new(one_then_hold(
+                *profile,
+                self.shutdown.clone(),
+            ))),
+            ProfileTarget::Service(service, port) => {
+                let (key, domain) = (service.clone(), self.cluster_domain.clone());
+                let stream = self.routing.follow(service, move |state| {
+                    crate::outbound::Target {
+                        service: &key,
+                        state,
+                        port,
+                        cluster_domain: &domain,
+                    }
+                    .profile()
+                })?;
+                Ok(Response::new(stream))
+            }
+        }
     }
 }
 
@@ -882,6 +889,7 @@ mod tests {
         );
         let subscriptions = Subscriptions::default();
         let dst = DestinationService {
+            routing: crate::policy::RoutingStreams::new(index.clone(), 100, Shutdown::default()),
             index: index.clone(),
             cluster_domain: "cluster.local".into(),
             metrics: metrics.clone(),
@@ -930,6 +938,7 @@ mod tests {
         let index = Index::new(metrics.clone());
         index.set_service(&ServiceKey::new("web", "demo"), Some(web_service()));
         DestinationService {
+            routing: crate::policy::RoutingStreams::new(index.clone(), 100, Shutdown::default()),
             index,
             cluster_domain: "cluster.local".into(),
             metrics,
@@ -1031,23 +1040,156 @@ mod tests {
         assert!(dst.get(get("nope.demo.svc.cluster.local:81")).await.is_ok());
     }
 
+    /// The first profile `GetProfile` would send for `path`.
+    fn profile_of(dst: &DestinationService, path: &str) -> DestinationProfile {
+        match dst.profile_for(path).unwrap() {
+            ProfileTarget::Fixed(p) => *p,
+            ProfileTarget::Service(key, port) => crate::outbound::Target {
+                service: &key,
+                state: &dst.index.service(&key).unwrap(),
+                port,
+                cluster_domain: &dst.cluster_domain,
+            }
+            .profile(),
+        }
+    }
+
+    fn get_request(path: &str) -> Request<GetDestination> {
+        Request::new(GetDestination {
+            path: path.into(),
+            ..Default::default()
+        })
+    }
+
+    #[tokio::test]
+    async fn an_unknown_service_has_no_profile_at_once() {
+        let dst = service_with(Subscriptions::default());
+        let Err(refused) = dst
+            .get_profile(get_request("nope.demo.svc.cluster.local:80"))
+            .await
+        else {
+            panic!("a profile for a service that does not exist")
+        };
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+        assert!(refused.message().contains("does not exist"), "{refused:?}");
+        // An address that is neither a service nor an endpoint: no name.
+        let p = profile_of(&dst, "10.1.2.3:80");
+        assert!(p.fully_qualified_name.is_empty() && p.endpoint.is_none());
+    }
+
+    const ROUTES: &str = "kind: HTTPRoute\nname: split\nnamespace: demo\nparentRefs: [{name: web, port: 80}]\n\
+        rules:\n\
+        \x20 - backendRefs: [{name: web, weight: 9}, {name: web-v2, weight: 1}]\n\
+        \x20 - matches: [{path: {type: PathPrefix, value: /api}, method: POST}, {path: {type: Exact, value: /login}}, {headers: [{name: x, value: y}]}]\n\
+        \x20   timeouts: {request: 2s}\n\
+        \x20   retry: {codes: [503]}\n";
+
+    fn with_routes(state: &mut crate::index::ServiceState, text: &str) {
+        state.routes = tether_core::registry::parse_documents(text)
+            .unwrap()
+            .into_iter()
+            .filter_map(|d| match d {
+                tether_core::registry::Document::Route(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+    }
+
+    #[test]
+    fn routes_travel_in_profiles_by_name_and_by_cluster_ip() {
+        let dst = service_with(Subscriptions::default());
+        let mut web = web_service();
+        web.cluster_ip = Some("10.96.0.10".parse().unwrap());
+        with_routes(&mut web, ROUTES);
+        dst.index
+            .set_service(&ServiceKey::new("web", "demo"), Some(web));
+        for path in ["web.demo.svc.cluster.local:80", "10.96.0.10:80"] {
+            let p = profile_of(&dst, path);
+            assert_eq!(
+                p.fully_qualified_name, "web.demo.svc.cluster.local",
+                "{path}"
+            );
+            // Most specific first; the header match cannot be expressed.
+            let regexes: Vec<String> = p
+                .routes
+                .iter()
+                .map(|r| format!("{:?}", r.condition.as_ref().unwrap()))
+                .collect();
+            assert_eq!(p.routes.len(), 3, "{regexes:#?}");
+            assert!(regexes[0].contains("^/login$"), "{regexes:#?}");
+            assert!(regexes[1].contains("^/api(?:/.*)?$"), "{regexes:#?}");
+            assert!(regexes[2].contains("^/.*$"), "{regexes:#?}");
+            let login = &p.routes[0];
+            assert!(login.is_retryable);
+            assert_eq!(login.metrics_labels["route"], "split");
+            assert_eq!(
+                login.timeout,
+                Some(prost_types::Duration {
+                    seconds: 2,
+                    nanos: 0
+                })
+            );
+            assert!(!p.routes[2].is_retryable);
+            // The catch-all rule's split is the service-level split.
+            let split: Vec<(String, u32)> = p
+                .dst_overrides
+                .iter()
+                .map(|d| (d.authority.clone(), d.weight))
+                .collect();
+            assert_eq!(
+                split,
+                vec![
+                    ("web.demo.svc.cluster.local:80".to_string(), 9),
+                    ("web-v2.demo.svc.cluster.local:80".to_string(), 1)
+                ]
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_profile_follows_its_routes() {
+        let dst = service_with(Subscriptions::default());
+        let mut stream = dst
+            .get_profile(get_request("web.demo.svc.cluster.local:80"))
+            .await
+            .unwrap()
+            .into_inner();
+        let first = stream.next().await.unwrap().unwrap();
+        assert!(first.routes.is_empty() && first.dst_overrides.is_empty());
+        let mut web = web_service();
+        with_routes(&mut web, ROUTES);
+        dst.index
+            .set_service(&ServiceKey::new("web", "demo"), Some(web));
+        let next = tokio::time::timeout(std::time::Duration::from_secs(5), stream.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(next.routes.len(), 3);
+        assert_eq!(next.dst_overrides.len(), 2);
+        drop(stream);
+        assert!(until(|| dst.routing.live() == 0).await);
+    }
+
     #[test]
     fn a_response_timeout_travels_as_a_route_for_every_path() {
         let dst = service_with(Subscriptions::default());
-        let profile = dst.profile_for("web.demo.svc.cluster.local:80").unwrap();
+        let profile = profile_of(&dst, "web.demo.svc.cluster.local:80");
         assert!(profile.routes.is_empty(), "no override, no route");
         let mut web = web_service();
         web.response_timeout = Some(std::time::Duration::from_millis(1500));
         dst.index
             .set_service(&ServiceKey::new("web", "demo"), Some(web));
-        let profile = dst.profile_for("web.demo.svc.cluster.local:80").unwrap();
+        let profile = profile_of(&dst, "web.demo.svc.cluster.local:80");
         let [route] = &profile.routes[..] else {
             panic!("{:?}", profile.routes)
         };
         assert_eq!(
             route.condition,
-            Some(RequestMatch {
-                r#match: Some(request_match::Match::Path(PathMatch { regex: ".*".into() }))
+            Some(api::RequestMatch {
+                r#match: Some(api::request_match::Match::Path(api::PathMatch {
+                    regex: ".*".into()
+                }))
             })
         );
         assert_eq!(

@@ -10,6 +10,10 @@
 
 use std::time::Duration;
 
+use linkerd2_proxy_api::destination::{
+    self as dst, request_match, response_match, DestinationProfile, HttpStatusRange, RequestMatch,
+    ResponseClass, ResponseMatch, WeightedDst,
+};
 use linkerd2_proxy_api::grpc_route::{GrpcRouteMatch, GrpcRpcMatch};
 use linkerd2_proxy_api::http_route::{
     self as hr, header_match, path_match, path_modifier, query_param_match, HeaderMatch,
@@ -169,14 +173,211 @@ impl Target<'_> {
             .filter_map(AsRoute::<R>::as_route)
     }
 
-    /// The policy for this service port.
-    pub fn policy(&self) -> OutboundPolicy {
-        let opaque = self
-            .state
+    fn is_opaque(&self) -> bool {
+        self.state
             .ports
             .iter()
-            .any(|p| p.port == self.port && p.opaque);
-        let kind = if opaque {
+            .any(|p| p.port == self.port && p.opaque)
+    }
+
+    /// The ServiceProfile for this service port, for clients that use
+    /// `GetProfile` rather than `OutboundPolicies`: what of the routes a
+    /// profile can carry (`docs/routes.md`).
+    pub fn profile(&self) -> DestinationProfile {
+        let opaque = self.is_opaque();
+        let mut routes = if opaque {
+            vec![]
+        } else {
+            self.profile_routes()
+        };
+        // Only a registry override: without it proxies use their own default.
+        if let Some(t) = self.state.response_timeout {
+            routes.push(default_profile_route(t));
+        }
+        DestinationProfile {
+            fully_qualified_name: self.service.fqdn(self.cluster_domain),
+            opaque_protocol: opaque,
+            routes,
+            retry_budget: self.state.retry_budget.map(|b| dst::RetryBudget {
+                retry_ratio: b.ratio,
+                min_retries_per_second: b.min_per_second,
+                ttl: duration(tether_core::registry::RETRY_BUDGET_WINDOW),
+            }),
+            dst_overrides: if opaque { vec![] } else { self.dst_overrides() },
+            endpoint: None,
+            parent_ref: service_meta(self.service, self.port),
+            profile_ref: None,
+        }
+    }
+
+    /// Profile routes, most specific first (a profile's first match wins,
+    /// where the Gateway API picks the most specific): exact paths, then
+    /// longer prefixes, then regular expressions; method matches before
+    /// the same path without one. Matches on headers or query parameters
+    /// cannot be expressed in a profile and are left out.
+    fn profile_routes(&self) -> Vec<dst::Route> {
+        let mut routes: Vec<(Specificity, dst::Route)> = Vec::new();
+        let grpc: Vec<&RouteDoc<GrpcRule>> = self.routes::<GrpcRule>().collect();
+        if !grpc.is_empty() {
+            for r in grpc {
+                for rule in &r.rules {
+                    let timeout = self.profile_timeout(rule.timeouts.as_ref());
+                    let methods: Vec<Option<&tether_core::route::GrpcMethodMatch>> =
+                        if rule.matches.is_empty() {
+                            vec![None]
+                        } else {
+                            rule.matches
+                                .iter()
+                                .filter(|m| m.headers.is_empty())
+                                .map(|m| m.method.as_ref())
+                                .collect()
+                        };
+                    for method in methods {
+                        let regex = method.map_or("^/.*$".to_string(), |m| {
+                            tether_core::route::grpc_path_regex(m)
+                        });
+                        let rank = match method {
+                            Some(m) if m.service.is_some() && m.method.is_some() => 0,
+                            Some(_) => 1,
+                            None => 2,
+                        };
+                        routes.push((
+                            (rank, std::cmp::Reverse(0), false),
+                            profile_route(&r.name, path_condition(regex), timeout, None),
+                        ));
+                    }
+                }
+            }
+        } else {
+            for r in self.routes::<HttpRule>() {
+                for rule in &r.rules {
+                    let timeout = self.profile_timeout(rule.timeouts.as_ref());
+                    let classes = rule.retry.as_ref().map(|retry| {
+                        let ranges: Vec<(u16, u16)> = if retry.codes.is_empty() {
+                            vec![(500, 599)]
+                        } else {
+                            retry.codes.iter().map(|c| (*c, *c)).collect()
+                        };
+                        failure_classes(&ranges)
+                    });
+                    let matches = if rule.matches.is_empty() {
+                        vec![HttpMatch::default()]
+                    } else {
+                        rule.matches.clone()
+                    };
+                    for m in matches
+                        .iter()
+                        .filter(|m| m.headers.is_empty() && m.query_params.is_empty())
+                    {
+                        let path = m.path.clone().unwrap_or(tether_core::route::PathMatch {
+                            kind: PathMatchType::PathPrefix,
+                            value: "/".into(),
+                        });
+                        let rank = match path.kind {
+                            PathMatchType::Exact => 0,
+                            PathMatchType::PathPrefix => 1,
+                            PathMatchType::RegularExpression => 2,
+                        };
+                        let key = (
+                            rank,
+                            std::cmp::Reverse(path.value.len()),
+                            m.method.is_none(),
+                        );
+                        let mut condition = path_condition(tether_core::route::path_regex(&path));
+                        if let Some(name) = &m.method {
+                            condition = RequestMatch {
+                                r#match: Some(request_match::Match::All(request_match::Seq {
+                                    matches: vec![
+                                        condition,
+                                        RequestMatch {
+                                            r#match: Some(request_match::Match::Method(method(
+                                                name,
+                                            ))),
+                                        },
+                                    ],
+                                })),
+                            };
+                        }
+                        routes.push((
+                            key,
+                            profile_route(&r.name, condition, timeout, classes.clone()),
+                        ));
+                    }
+                }
+            }
+        }
+        routes.sort_by_key(|(key, _)| *key);
+        routes.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// A rule's request timeout (else its backend timeout, else the
+    /// service's response timeout) as a profile route's timeout.
+    fn profile_timeout(&self, t: Option<&Timeouts>) -> Option<Duration> {
+        t.and_then(|t| {
+            route_duration(t.request.as_deref()).or(route_duration(t.backend_request.as_deref()))
+        })
+        .or(self.state.response_timeout)
+    }
+
+    /// A service-level split: the weighted backends of the first rule that
+    /// takes every request (no matches, or only `PathPrefix /`).
+    fn dst_overrides(&self) -> Vec<WeightedDst> {
+        let catch_all = |matches: &[HttpMatch]| {
+            matches.is_empty()
+                || matches.iter().any(|m| {
+                    m.headers.is_empty()
+                        && m.query_params.is_empty()
+                        && m.method.is_none()
+                        && m.path.as_ref().is_none_or(|p| {
+                            p.kind == PathMatchType::PathPrefix
+                                && p.value.trim_end_matches('/').is_empty()
+                        })
+                })
+        };
+        let grpc: Vec<(&str, &[BackendRef])> = self
+            .routes::<GrpcRule>()
+            .flat_map(|r| {
+                r.rules
+                    .iter()
+                    .filter(|rule| {
+                        rule.matches
+                            .iter()
+                            .all(|m| m.method.is_none() && m.headers.is_empty())
+                    })
+                    .map(move |rule| (r.namespace.as_str(), rule.backend_refs.as_slice()))
+            })
+            .collect();
+        let candidates: Vec<(&str, &[BackendRef])> = if !grpc.is_empty() {
+            grpc
+        } else {
+            self.routes::<HttpRule>()
+                .flat_map(|r| {
+                    r.rules
+                        .iter()
+                        .filter(|rule| catch_all(&rule.matches))
+                        .map(move |rule| (r.namespace.as_str(), rule.backend_refs.as_slice()))
+                })
+                .collect()
+        };
+        let Some((namespace, refs)) = candidates.into_iter().next() else {
+            return vec![];
+        };
+        refs.iter()
+            .map(|b| {
+                let service = b.service(namespace);
+                let port = b.port.unwrap_or(self.port);
+                WeightedDst {
+                    authority: format!("{}:{port}", service.fqdn(self.cluster_domain)),
+                    weight: b.weight,
+                    backend_ref: service_meta(&service, port),
+                }
+            })
+            .collect()
+    }
+
+    /// The policy for this service port.
+    pub fn policy(&self) -> OutboundPolicy {
+        let kind = if self.is_opaque() {
             proxy_protocol::Kind::Opaque(self.opaque())
         } else if let Some(grpc) = self.grpc() {
             proxy_protocol::Kind::Grpc(grpc)
@@ -643,4 +844,57 @@ fn http_filter(f: &HttpFilter) -> http_route::Filter {
         }
     };
     http_route::Filter { kind: Some(kind) }
+}
+
+/// How a profile route sorts: match kind (exact, prefix, regex), longer
+/// values first, method matches first.
+type Specificity = (u8, std::cmp::Reverse<usize>, bool);
+
+fn path_condition(regex: String) -> RequestMatch {
+    RequestMatch {
+        r#match: Some(request_match::Match::Path(dst::PathMatch { regex })),
+    }
+}
+
+/// Responses with these statuses are failures (and so retried on a
+/// retryable route).
+fn failure_classes(ranges: &[(u16, u16)]) -> Vec<ResponseClass> {
+    vec![ResponseClass {
+        condition: Some(ResponseMatch {
+            r#match: Some(response_match::Match::Any(response_match::Seq {
+                matches: ranges
+                    .iter()
+                    .map(|(min, max)| ResponseMatch {
+                        r#match: Some(response_match::Match::Status(HttpStatusRange {
+                            min: (*min).into(),
+                            max: (*max).into(),
+                        })),
+                    })
+                    .collect(),
+            })),
+        }),
+        is_failure: true,
+    }]
+}
+
+fn profile_route(
+    name: &str,
+    condition: RequestMatch,
+    timeout: Option<Duration>,
+    retry_classes: Option<Vec<ResponseClass>>,
+) -> dst::Route {
+    dst::Route {
+        condition: Some(condition),
+        is_retryable: retry_classes.is_some(),
+        response_classes: retry_classes.unwrap_or_default(),
+        metrics_labels: [("route".to_string(), name.to_string())].into(),
+        timeout: timeout.and_then(duration),
+    }
+}
+
+/// The route a service's `response_timeout` travels in: every path, with
+/// the timeout (zero: none, for Tether's proxy), labelled `route=default`.
+/// Last, so the routes before it take precedence.
+pub fn default_profile_route(timeout: Duration) -> dst::Route {
+    profile_route("default", path_condition(".*".into()), Some(timeout), None)
 }

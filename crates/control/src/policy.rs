@@ -39,30 +39,116 @@ use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 use crate::destination::{one_then_hold, BoxStream};
-use crate::index::{Index, RoutingReceiver, ServiceState};
+use crate::index::{Index, ServiceState};
 use crate::outbound::Target;
 
-/// Policies buffered per watch before its task waits (on that watch alone).
-const WATCH_BUFFER: usize = 2;
+/// Answers buffered per stream before its task waits (on that stream alone).
+const STREAM_BUFFER: usize = 2;
+
+/// The streams that follow a service's routing state (policy watches and
+/// profiles): how many are live, and how many may be.
+#[derive(Clone)]
+pub struct RoutingStreams {
+    pub index: Index,
+    pub shutdown: Shutdown,
+    live: Arc<AtomicUsize>,
+    max: usize,
+}
+
+impl RoutingStreams {
+    pub fn new(index: Index, max: usize, shutdown: Shutdown) -> Self {
+        Self {
+            index,
+            shutdown,
+            live: Arc::default(),
+            max,
+        }
+    }
+
+    /// How many streams are live.
+    pub fn live(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// A stream of `build(service state)`, sent at once and again whenever
+    /// it changes, until the client goes or the control plane shuts down.
+    /// A service that disappears leaves the last answer in force (the last
+    /// good state); its discovery says it is gone.
+    pub fn follow<T, F>(&self, key: ServiceKey, build: F) -> Result<BoxStream<T>, Status>
+    where
+        T: PartialEq + Clone + Send + 'static,
+        F: Fn(&ServiceState) -> T + Send + 'static,
+    {
+        if self.shutdown.is_triggered() {
+            return Err(Status::unavailable("control plane is shutting down"));
+        }
+        if self.live.fetch_add(1, Ordering::Relaxed) >= self.max {
+            self.live.fetch_sub(1, Ordering::Relaxed);
+            return Err(Status::resource_exhausted(format!(
+                "this control plane serves at most {} policy and profile streams (--max-subscriptions); try another replica",
+                self.max
+            )));
+        }
+        let mut routing = self.index.watch_routing(&key);
+        let permit = StreamPermit {
+            live: self.live.clone(),
+            index: self.index.clone(),
+            service: key,
+        };
+        let shutdown = self.shutdown.clone();
+        let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+        tokio::spawn(async move {
+            let _permit = permit;
+            let mut sent: Option<T> = None;
+            loop {
+                let state = routing.borrow_and_update().clone();
+                if let Some(state) = state {
+                    let answer = build(&state);
+                    if sent.as_ref() != Some(&answer) {
+                        if tx.send(Ok(answer.clone())).await.is_err() {
+                            return;
+                        }
+                        sent = Some(answer);
+                    }
+                }
+                tokio::select! {
+                    changed = routing.changed() => if changed.is_err() { return },
+                    _ = tx.closed() => return,
+                    _ = shutdown.triggered() => return,
+                }
+            }
+        });
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+}
+
+/// Gives back a stream's place when it ends, however it ends.
+struct StreamPermit {
+    live: Arc<AtomicUsize>,
+    index: Index,
+    service: ServiceKey,
+}
+
+impl Drop for StreamPermit {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::Relaxed);
+        self.index.release_routing(&self.service);
+    }
+}
 
 #[derive(Clone)]
 pub struct PolicyService {
-    pub shutdown: Shutdown,
     pub index: Index,
     pub cluster_domain: String,
-    /// Live `OutboundPolicies.Watch` streams, and how many may be.
-    pub watches: Arc<AtomicUsize>,
-    pub max_watches: usize,
+    pub streams: RoutingStreams,
 }
 
 impl PolicyService {
-    pub fn new(index: Index, cluster_domain: &str, max_watches: usize, shutdown: Shutdown) -> Self {
+    pub fn new(streams: RoutingStreams, cluster_domain: &str) -> Self {
         Self {
-            shutdown,
-            index,
+            index: streams.index.clone(),
             cluster_domain: cluster_domain.to_string(),
-            watches: Arc::default(),
-            max_watches,
+            streams,
         }
     }
 
@@ -110,53 +196,6 @@ impl PolicyService {
             cluster_domain: &self.cluster_domain,
         }
         .policy()
-    }
-}
-
-/// Gives back a watch's place when its stream ends, however it ends.
-struct WatchPermit {
-    watches: Arc<AtomicUsize>,
-    index: Index,
-    service: ServiceKey,
-}
-
-impl Drop for WatchPermit {
-    fn drop(&mut self) {
-        self.watches.fetch_sub(1, Ordering::Relaxed);
-        self.index.release_routing(&self.service);
-    }
-}
-
-/// Sends the policy whenever the service's routing state changes it, until
-/// the client goes or the control plane shuts down. A service that
-/// disappears keeps its last policy (the last good state): its backends'
-/// discovery then reports it gone.
-async fn serve_watch(
-    service: PolicyService,
-    key: ServiceKey,
-    port: u16,
-    mut routing: RoutingReceiver,
-    tx: mpsc::Sender<Result<OutboundPolicy, Status>>,
-    _permit: WatchPermit,
-) {
-    let mut sent: Option<OutboundPolicy> = None;
-    let shutdown = service.shutdown.clone();
-    loop {
-        let state = routing.borrow_and_update().clone();
-        if let Some(state) = state {
-            let policy = service.policy(&key, &state, port);
-            if sent.as_ref() != Some(&policy) {
-                if tx.send(Ok(policy.clone())).await.is_err() {
-                    return;
-                }
-                sent = Some(policy);
-            }
-        }
-        tokio::select! {
-            changed = routing.changed() => if changed.is_err() { return },
-            _ = tx.closed() => return,
-            _ = shutdown.triggered() => return,
-        }
     }
 }
 
@@ -215,28 +254,18 @@ impl OutboundPolicies for PolicyService {
         &self,
         req: Request<TrafficSpec>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        if self.shutdown.is_triggered() {
-            return Err(Status::unavailable("control plane is shutting down"));
-        }
         let (key, port) = self.resolve(req.into_inner())?;
-        if self.watches.fetch_add(1, Ordering::Relaxed) >= self.max_watches {
-            self.watches.fetch_sub(1, Ordering::Relaxed);
-            return Err(Status::resource_exhausted(format!(
-                "this control plane serves at most {} policy watches (--max-subscriptions); try another replica",
-                self.max_watches
-            )));
-        }
-        let routing = self.index.watch_routing(&key);
-        let permit = WatchPermit {
-            watches: self.watches.clone(),
-            index: self.index.clone(),
-            service: key.clone(),
-        };
-        let (tx, rx) = mpsc::channel(WATCH_BUFFER);
-        tokio::spawn(serve_watch(self.clone(), key, port, routing, tx, permit));
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+        let (service, domain) = (key.clone(), self.cluster_domain.clone());
+        let stream = self.streams.follow(key, move |state| {
+            Target {
+                service: &service,
+                state,
+                port,
+                cluster_domain: &domain,
+            }
+            .policy()
+        })?;
+        Ok(Response::new(stream))
     }
 }
 
@@ -254,7 +283,7 @@ impl InboundServerPolicies for PolicyService {
     ) -> Result<Response<Self::WatchPortStream>, Status> {
         Ok(Response::new(one_then_hold(
             default_server(),
-            self.shutdown.clone(),
+            self.streams.shutdown.clone(),
         )))
     }
 }
@@ -295,7 +324,10 @@ mod tests {
     fn service(state: ServiceState) -> PolicyService {
         let index = Index::new(ControlMetrics::default());
         index.set_service(&web(), Some(state));
-        PolicyService::new(index, "cluster.local", 10, Shutdown::default())
+        PolicyService::new(
+            RoutingStreams::new(index, 10, Shutdown::default()),
+            "cluster.local",
+        )
     }
 
     fn authority(a: &str) -> Request<TrafficSpec> {
@@ -407,7 +439,7 @@ mod tests {
             let status = svc.watch(req).await.err().unwrap();
             assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
         }
-        assert_eq!(svc.watches.load(Ordering::Relaxed), 0);
+        assert_eq!(svc.streams.live(), 0);
     }
 
     const CANARY: &str = "kind: HTTPRoute\nname: canary\nnamespace: demo\nparentRefs: [{name: web, port: 80}]\n\
@@ -471,7 +503,7 @@ mod tests {
                 .is_err()
         );
         drop(stream);
-        assert!(until(|| svc.watches.load(Ordering::Relaxed) == 0).await);
+        assert!(until(|| svc.streams.live() == 0).await);
     }
 
     #[tokio::test]
@@ -512,7 +544,7 @@ mod tests {
     #[tokio::test]
     async fn watches_are_bounded() {
         let mut svc = service(web_state(""));
-        svc.max_watches = 2;
+        svc.streams.max = 2;
         let mut streams = Vec::new();
         for _ in 0..2 {
             streams.push(
@@ -528,7 +560,7 @@ mod tests {
             .unwrap();
         assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
         streams.clear();
-        assert!(until(|| svc.watches.load(Ordering::Relaxed) == 0).await);
+        assert!(until(|| svc.streams.live() == 0).await);
         assert!(svc
             .watch(authority("web.demo.svc.cluster.local:80"))
             .await

@@ -18,7 +18,7 @@ use crate::identity::{IdentityMetrics, IdentityService, KubeTokenReview};
 use crate::index::Index;
 use crate::metrics::ControlMetrics;
 use crate::multicluster::{Multicluster, MulticlusterConfig, MulticlusterError};
-use crate::policy::PolicyService;
+use crate::policy::{PolicyService, RoutingStreams};
 use crate::registry::kubernetes::WatchLag;
 use crate::registry::source::{RegistrySource, SourceError};
 use crate::registry::LOADED;
@@ -200,7 +200,10 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         _ = shutdown.triggered() => return Ok(()),
     }
 
+    // Policy watches and profiles share one bound.
+    let routing = RoutingStreams::new(index.clone(), config.max_subscriptions, shutdown.clone());
     let destination = DestinationService {
+        routing: routing.clone(),
         index: index.clone(),
         cluster_domain: config.cluster_domain.clone(),
         metrics: metrics.clone(),
@@ -217,12 +220,7 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     if let Some(multicluster) = multicluster {
         multicluster.spawn(export_listener, &index, &shutdown);
     }
-    let policy = PolicyService::new(
-        index.clone(),
-        &config.cluster_domain,
-        config.max_subscriptions,
-        shutdown.clone(),
-    );
+    let policy = PolicyService::new(routing, &config.cluster_domain);
     let signal = shutdown.clone();
     let server = grpc_services(destination, policy, identity, diagnostics)
         .serve_with_incoming_shutdown(

@@ -214,6 +214,11 @@ async fn run(ops: Vec<Op>) {
     let index = Index::new(metrics.clone());
     let subscriptions = Subscriptions::default();
     let dst = DestinationService {
+        routing: tether_control::policy::RoutingStreams::new(
+            index.clone(),
+            usize::MAX,
+            Shutdown::default(),
+        ),
         index: index.clone(),
         cluster_domain: "cluster.local".into(),
         metrics: metrics.clone(),

@@ -65,6 +65,32 @@ pub fn compile_regex(pattern: &str) -> Result<regex::Regex, String> {
         })
 }
 
+/// A path match as one regular expression over the whole path, for APIs
+/// that carry only a regex (ServiceProfile routes). `PathPrefix` matches
+/// whole path elements, as the Gateway API says: `/api` matches `/api` and
+/// `/api/x`, not `/apix`.
+pub fn path_regex(m: &PathMatch) -> String {
+    match m.kind {
+        PathMatchType::Exact => format!("^{}$", regex::escape(&m.value)),
+        PathMatchType::PathPrefix => {
+            let prefix = m.value.trim_end_matches('/');
+            if prefix.is_empty() {
+                "^/.*$".to_string()
+            } else {
+                format!("^{}(?:/.*)?$", regex::escape(prefix))
+            }
+        }
+        PathMatchType::RegularExpression => format!("^(?:{})$", m.value),
+    }
+}
+
+/// A gRPC method match as a regular expression over the request path
+/// (`/package.Service/Method`).
+pub fn grpc_path_regex(m: &GrpcMethodMatch) -> String {
+    let part = |name: &Option<String>| name.as_deref().map_or("[^/]*".to_string(), regex::escape);
+    format!("^/{}/{}$", part(&m.service), part(&m.method))
+}
+
 fn default_namespace() -> String {
     "default".to_string()
 }
@@ -1267,6 +1293,32 @@ rules:
         ] {
             assert!(parse_route_duration(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn path_matches_as_one_regex() {
+        let re = |kind, value: &str| {
+            compile_regex(&path_regex(&PathMatch {
+                kind,
+                value: value.into(),
+            }))
+            .unwrap()
+        };
+        let prefix = re(PathMatchType::PathPrefix, "/api");
+        assert!(prefix.is_match("/api") && prefix.is_match("/api/v1"));
+        assert!(!prefix.is_match("/apix") && !prefix.is_match("/x/api"));
+        assert!(re(PathMatchType::PathPrefix, "/").is_match("/anything"));
+        let exact = re(PathMatchType::Exact, "/a.b");
+        assert!(exact.is_match("/a.b") && !exact.is_match("/axb"));
+        assert!(re(PathMatchType::RegularExpression, "/v[0-9]").is_match("/v2"));
+        let grpc = compile_regex(&grpc_path_regex(&GrpcMethodMatch {
+            kind: ValueMatchType::Exact,
+            service: Some("demo.Greeter".into()),
+            method: None,
+        }))
+        .unwrap();
+        assert!(grpc.is_match("/demo.Greeter/SayHello"));
+        assert!(!grpc.is_match("/demoxGreeter/SayHello"));
     }
 
     #[test]
