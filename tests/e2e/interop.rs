@@ -266,6 +266,39 @@ async fn a_linkerd2_proxy_client_reaches_an_http1_only_app() {
     }
 }
 
+#[tokio::test]
+async fn markers_an_app_sends_are_never_passed_on() {
+    // The markers are the mesh's to set: an app that sends them to its
+    // outbound changes nothing about the hop, and they never reach the
+    // app at the other end.
+    let mesh = Mesh::start().await;
+    let app = http1_only_app().await;
+    let server = mesh.proxy("web", Some(app), &[]).await;
+    mesh.service("web", 8080, false, server.addr("inbound"), "web");
+    let client = mesh.proxy("client", None, &[]).await;
+    let mut conn = tokio::net::TcpStream::connect(client.addr("outbound"))
+        .await
+        .unwrap();
+    let request = format!(
+        "GET /path HTTP/1.1\r\nhost: {}\r\nl5d-orig-proto: HTTP/1.0; absolute-form\r\n\
+         tether-orig-proto: HTTP/1.0\r\nconnection: close\r\n\r\n",
+        authority("web", 8080)
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer))
+        .await
+        .expect("an answer")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.ends_with("\r\n\r\nHTTP/1.1 /path markers:"),
+        "{answer}"
+    );
+    assert!(!answer.contains("orig-proto"), "{answer}");
+}
+
 /// A TLS server playing linkerd2-proxy's inbound port: reports each
 /// connection's negotiated ALPN, then serves it with `serve`.
 async fn linkerd_inbound<F, Fut>(

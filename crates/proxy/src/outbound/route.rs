@@ -35,7 +35,12 @@ fn clone_parts(parts: &http::request::Parts) -> http::request::Parts {
 /// had at its origin: a request that reached us over HTTP/2 from another
 /// proxy (a gateway's case) may have been HTTP/1.
 fn head_for_mesh(parts: &mut http::request::Parts) -> Version {
-    let version = match take_orig_proto(&mut parts.headers) {
+    // Only HTTP/2 carries a marked HTTP/1 request; on HTTP/1 the marker
+    // is an app's, and it changes nothing (strip_mesh_asserted drops it).
+    let marked = (parts.version == Version::HTTP_2)
+        .then(|| take_orig_proto(&mut parts.headers))
+        .flatten();
+    let version = match marked {
         Some(orig) => orig.version,
         None => parts.version,
     };
