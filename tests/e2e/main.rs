@@ -23,6 +23,7 @@ mod outage;
 mod protocols;
 mod registry;
 mod retries;
+mod routes_api;
 mod stat;
 mod tap;
 mod up;
