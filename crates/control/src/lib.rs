@@ -8,6 +8,7 @@
 //! on a subscriber, so a slow proxy never delays the index or other proxies.
 //!
 //! - [`server`]: wires listeners, the registry, the gRPC services and admin.
+//! - [`channel`]: TLS on the gRPC port, and which APIs need mutual TLS.
 //! - [`identity`]: `Identity.Certify`, signing workloads' CSRs with the
 //!   issuer once their bootstrap token checks out.
 //! - [`policy`]: `OutboundPolicies` (each service port's routes, as
@@ -16,6 +17,7 @@
 //! - [`diagnostics`]: Tether's own gRPC API for operator tools.
 //! - [`multicluster`]: links to other clusters, and the export API.
 
+pub mod channel;
 pub mod destination;
 pub mod diagnostics;
 pub mod identity;

@@ -13,6 +13,9 @@ use linkerd2_proxy_api::inbound::inbound_server_policies_server::InboundServerPo
 use linkerd2_proxy_api::outbound::outbound_policies_server::OutboundPoliciesServer;
 use tether_admin::{bind, Admin, Readiness, Shutdown};
 
+use tonic::service::interceptor::InterceptedService;
+
+use crate::channel::{Access, ChannelSecurity, Require};
 use crate::destination::{DestinationService, Subscriptions};
 use crate::identity::{IdentityMetrics, IdentityService, KubeTokenReview};
 use crate::index::Index;
@@ -59,6 +62,10 @@ pub struct ControlConfig {
     /// `Get` is refused (RESOURCE_EXHAUSTED) so the proxy tries another
     /// replica.
     pub max_subscriptions: usize,
+    /// The identity the gRPC port's certificate names (proxies verify it).
+    pub control_identity: String,
+    /// Serve plaintext clients too (`--insecure-control-plane`).
+    pub insecure_control_plane: bool,
 }
 
 impl ControlConfig {
@@ -83,6 +90,9 @@ impl ControlConfig {
         if self.leaf_lifetime < Self::MIN_LEAF_LIFETIME {
             return Err(ConfigError::LeafLifetime);
         }
+        if self.identity_dir.is_none() && !self.insecure_control_plane {
+            return Err(ConfigError::TlsNeedsIdentity);
+        }
         Ok(())
     }
 }
@@ -96,6 +106,8 @@ pub enum ConfigError {
     AuditInterval,
     #[error("--identity-leaf-lifetime must be at least 1 second")]
     LeafLifetime,
+    #[error("the gRPC port serves TLS with a certificate from --identity DIR; give it, or pass --insecure-control-plane to serve plaintext")]
+    TlsNeedsIdentity,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -114,6 +126,8 @@ pub enum ControlError {
     Multicluster(#[from] MulticlusterError),
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
+    #[error("TLS for the gRPC port: {0}")]
+    ChannelTls(String),
 }
 
 /// How long a client may take to send the HTTP/2 preface on the gRPC port.
@@ -149,6 +163,7 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         None => None,
     };
     let issuer = identity.as_ref().map(|service| service.issuer.clone());
+    let security = channel_security(&config, issuer.clone())?;
     let multicluster = Multicluster::prepare(
         &config.multicluster,
         config.cluster.as_deref(),
@@ -222,9 +237,10 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     }
     let policy = PolicyService::new(routing, &config.cluster_domain);
     let signal = shutdown.clone();
-    let server = grpc_services(destination, policy, identity, diagnostics)
+    let insecure = security.insecure;
+    let server = grpc_services(destination, policy, identity, diagnostics, insecure)
         .serve_with_incoming_shutdown(
-            tether_admin::incoming_h2(grpc, "grpc", PREFACE_DEADLINE),
+            crate::channel::incoming(grpc, security, PREFACE_DEADLINE),
             async move { signal.triggered().await },
         );
     tokio::select! {
@@ -233,6 +249,52 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     }
     tracing::info!("control plane stopped");
     Ok(())
+}
+
+/// How the gRPC port is secured: TLS with a certificate this control plane
+/// issues itself from the identity directory's issuer (renewed in the
+/// background), unless `--insecure-control-plane` without an identity.
+fn channel_security(
+    config: &ControlConfig,
+    issuer: Option<Arc<tether_identity::ca::Issuer>>,
+) -> Result<ChannelSecurity, ControlError> {
+    let tls = match (config.identity_dir.as_deref(), issuer) {
+        (Some(dir), Some(issuer)) => {
+            let failed = |e: &dyn std::fmt::Display| ControlError::ChannelTls(e.to_string());
+            let store = tether_identity::tls::CertStore::new();
+            let certified = crate::multicluster::tls::self_certify(
+                issuer,
+                config.control_identity.clone(),
+                store.clone(),
+            );
+            match certified {
+                Ok(()) => {}
+                // Plaintext clients can still be told why Certify fails.
+                Err(e) if config.insecure_control_plane => {
+                    tracing::error!(error = %e, "no certificate for the gRPC port: serving plaintext only");
+                    return Ok(ChannelSecurity {
+                        tls: None,
+                        insecure: true,
+                    });
+                }
+                Err(e) => return Err(failed(&e)),
+            }
+            let roots = tether_identity::tls::load_roots(&dir.join(tether_identity::ca::CA_CERT))
+                .map_err(|e| failed(&e))?;
+            let server = tether_identity::control::server_config(store, Arc::new(roots))
+                .map_err(|e| failed(&e))?;
+            tracing::info!(identity = %config.control_identity, plaintext_too = config.insecure_control_plane, "gRPC port serves TLS");
+            Some(server)
+        }
+        _ => {
+            tracing::warn!("gRPC port serves plaintext (--insecure-control-plane): tokens, CSRs and endpoints travel in clear");
+            None
+        }
+    };
+    Ok(ChannelSecurity {
+        tls,
+        insecure: config.insecure_control_plane,
+    })
 }
 
 /// The Prometheus registry every metric of the process is in, and the
@@ -291,11 +353,23 @@ fn grpc_services(
     policy: PolicyService,
     identity: Option<IdentityService>,
     diagnostics: crate::diagnostics::DiagnosticsServer,
+    insecure: bool,
 ) -> tonic::transport::server::Router {
+    let server_tls = Require {
+        access: Access::ServerTls,
+        insecure,
+    };
+    let mtls = Require {
+        access: Access::MutualTls,
+        insecure,
+    };
     let identity = identity.map(|service| {
-        IdentityServer::new(service)
-            .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES)
+        InterceptedService::new(
+            IdentityServer::new(service)
+                .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
+            server_tls,
+        )
     });
     tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
@@ -303,23 +377,26 @@ fn grpc_services(
         // streams ended, instead of holding a connection forever.
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
-        .add_service(
+        .add_service(InterceptedService::new(
             DestinationServer::new(destination)
                 .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
-        )
-        .add_service(
+            mtls,
+        ))
+        .add_service(InterceptedService::new(
             OutboundPoliciesServer::new(policy.clone())
                 .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
-        )
-        .add_service(
+            mtls,
+        ))
+        .add_service(InterceptedService::new(
             InboundServerPoliciesServer::new(policy)
                 .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
-        )
+            mtls,
+        ))
         .add_optional_service(identity)
-        .add_service(diagnostics)
+        .add_service(InterceptedService::new(diagnostics, mtls))
 }
 
 fn registry_ended(
@@ -414,6 +491,9 @@ mod tests {
             cluster: Some("east".into()),
             multicluster: MulticlusterConfig::default(),
             max_subscriptions: 1,
+            control_identity: "tether-control.tether-system.serviceaccount.identity.cluster.local"
+                .into(),
+            insecure_control_plane: true,
         }
     }
 
@@ -438,6 +518,14 @@ mod tests {
             ..config()
         };
         assert_eq!(bad.validate(), Err(ConfigError::LeafLifetime));
+        let plaintext_by_accident = ControlConfig {
+            insecure_control_plane: false,
+            ..config()
+        };
+        assert_eq!(
+            plaintext_by_accident.validate(),
+            Err(ConfigError::TlsNeedsIdentity)
+        );
     }
 
     #[test]

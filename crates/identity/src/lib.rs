@@ -7,6 +7,9 @@
 //!   ServiceAccount tokens behind the same trait).
 //! - [`csr`]: a workload's key pair and CSR, made in memory.
 //! - [`cert`]: reading identities and expiry out of certificates.
+//! - [`control`]: the channel between proxies and the control plane: the
+//!   control plane's identity, its TLS configurations, and a tonic channel
+//!   that verifies it.
 //! - [`tls`]: rustls client and server configurations that present the
 //!   current certificate (replaced in place on renewal) and verify peers
 //!   against the trust root.
@@ -18,6 +21,7 @@
 
 pub mod ca;
 pub mod cert;
+pub mod control;
 pub mod csr;
 pub mod tls;
 pub mod token;

@@ -57,6 +57,8 @@ pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
 pub struct CertStore {
     current: RwLock<Option<(Arc<CertifiedKey>, SystemTime)>>,
     provider: Arc<CryptoProvider>,
+    /// Whether a certificate was ever installed, for those who wait for one.
+    installed: tokio::sync::watch::Sender<bool>,
 }
 
 impl CertStore {
@@ -64,6 +66,7 @@ impl CertStore {
         Arc::new(Self {
             current: RwLock::new(None),
             provider: provider(),
+            installed: tokio::sync::watch::channel(false).0,
         })
     }
 
@@ -88,6 +91,7 @@ impl CertStore {
         let ck = CertifiedKey::new(certs, signing_key);
         ck.keys_match().map_err(|e| TlsError::Key(e.to_string()))?;
         *self.current.write().unwrap() = Some((Arc::new(ck), expires));
+        self.installed.send_replace(true);
         Ok(())
     }
 
@@ -106,6 +110,12 @@ impl CertStore {
             .unwrap()
             .as_ref()
             .is_some_and(|(_, exp)| *exp > SystemTime::now())
+    }
+
+    /// Returns once a certificate has been installed.
+    pub async fn wait_installed(&self) {
+        let mut installed = self.installed.subscribe();
+        let _ = installed.wait_for(|held| *held).await;
     }
 
     pub fn expires(&self) -> Option<SystemTime> {

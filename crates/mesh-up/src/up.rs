@@ -372,8 +372,10 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
         "--cluster-domain".into(),
         m.cluster_domain.clone(),
     ];
-    if let Some(id) = &ctx.identity {
-        control_args.extend(["--identity".into(), id.dir.display().to_string()]);
+    match &ctx.identity {
+        Some(id) => control_args.extend(["--identity".into(), id.dir.display().to_string()]),
+        // No identity, no TLS anywhere: the proxies say the same.
+        None => control_args.push("--insecure-control-plane".into()),
     }
     let gateway_identity =
         tether_identity::identity_name("tether-gateway", &spec.name, &m.cluster_domain);
@@ -490,9 +492,12 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
         if let Some(app) = app {
             a.extend(["--app".to_string(), app.to_string()]);
         }
-        if let Some(id) = &ctx.identity {
-            a.extend(id.args(identity)?);
-            a.extend(["--tls".to_string(), "mandatory".to_string()]);
+        match &ctx.identity {
+            Some(id) => {
+                a.extend(id.args(identity)?);
+                a.extend(["--tls".to_string(), "mandatory".to_string()]);
+            }
+            None => a.push("--insecure-control-plane".into()),
         }
         if !m.retries {
             a.extend(

@@ -19,6 +19,8 @@ pub struct CheckOptions {
     pub identity: Option<PathBuf>,
     pub registry: Option<PathBuf>,
     pub cluster_domain: String,
+    /// How to reach the control planes (`identity` is its identity directory).
+    pub access: crate::control::ControlAccess,
 }
 
 #[derive(Default)]
@@ -77,15 +79,10 @@ pub async fn run(o: &CheckOptions) -> anyhow::Result<bool> {
     let mut views = Vec::new();
     for control in &o.controls {
         let fetched = async {
-            let channel = tonic::transport::Endpoint::from_shared(format!("http://{control}"))
-                .map_err(|_| format!("{control:?} is not host:port"))?
-                .connect_timeout(Duration::from_secs(3))
-                .connect()
-                .await
-                .map_err(|e| format!("unreachable: {e}"))?;
+            let channel = o.access.channel(control).await?;
             tether_control::diagnostics::fetch_metrics(channel)
                 .await
-                .map_err(|s| s.message().to_string())
+                .map_err(|s| tether_identity::control::status_chain(&s))
         };
         match tokio::time::timeout(Duration::from_secs(6), fetched).await {
             Ok(Ok(m)) => {
@@ -166,7 +163,9 @@ pub async fn run(o: &CheckOptions) -> anyhow::Result<bool> {
                         let (expected, _) =
                             crate::diagnostics::registry_view(dir, &authority, &o.cluster_domain)?;
                         for control in &o.controls {
-                            match crate::diagnostics::replica_view(control, &authority).await {
+                            match crate::diagnostics::replica_view(&o.access, control, &authority)
+                                .await
+                            {
                                 Ok(v)
                                     if crate::diagnostics::differences(
                                         "served", &v, "registry", &expected,

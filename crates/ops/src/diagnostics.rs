@@ -6,10 +6,12 @@
 //! given. The result is `Ok(false)` when anything differs, so the command
 //! can exit non-zero.
 
+use crate::control::ControlAccess;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use tether_identity::control::status_chain;
 
 use linkerd2_proxy_api::destination::{
     destination_client::DestinationClient, tls_identity, update, GetDestination,
@@ -47,18 +49,13 @@ impl View {
     }
 }
 
-fn channel(addr: &str) -> Result<tonic::transport::Endpoint, String> {
-    tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .map(|e| e.connect_timeout(ANSWER))
-        .map_err(|_| format!("{addr:?} is not host:port"))
-}
-
 /// What one replica serves for `authority`.
-pub async fn replica_view(control: &str, authority: &str) -> Result<View, String> {
-    let channel = channel(control)?
-        .connect()
-        .await
-        .map_err(|e| format!("unreachable: {e}"))?;
+pub async fn replica_view(
+    access: &ControlAccess,
+    control: &str,
+    authority: &str,
+) -> Result<View, String> {
+    let channel = access.channel(control).await?;
     let mut client = DestinationClient::new(channel);
     let req = GetDestination {
         path: authority.to_string(),
@@ -67,7 +64,7 @@ pub async fn replica_view(control: &str, authority: &str) -> Result<View, String
     let mut stream = tokio::time::timeout(ANSWER, client.get(req))
         .await
         .map_err(|_| "no answer".to_string())?
-        .map_err(|s| format!("{:?}: {}", s.code(), bounded_message(s.message())))?
+        .map_err(|s| format!("{:?}: {}", s.code(), bounded_message(status_chain(&s))))?
         .into_inner();
     let mut view = View::default();
     let mut wait = ANSWER;
@@ -231,6 +228,7 @@ pub fn differences(a_name: &str, a: &View, b_name: &str, b: &View) -> Vec<String
 
 /// Prints every view and their differences; `Ok(true)` when all agree.
 pub async fn endpoints(
+    access: &ControlAccess,
     authority: &str,
     controls: &[String],
     registry: Option<&PathBuf>,
@@ -241,7 +239,7 @@ pub async fn endpoints(
     let mut agree = true;
     for control in controls {
         let name = format!("replica {control}");
-        match replica_view(control, authority).await {
+        match replica_view(access, control, authority).await {
             Ok(view) => {
                 print_view(&name, &view);
                 views.push((name, view));
@@ -282,18 +280,19 @@ pub async fn endpoints(
 
 /// Prints every replica's metrics, headed by replica; `Ok(false)` if any
 /// replica could not be read.
-pub async fn controller_metrics(controls: &[String], filter: Option<&str>) -> anyhow::Result<bool> {
+pub async fn controller_metrics(
+    access: &ControlAccess,
+    controls: &[String],
+    filter: Option<&str>,
+) -> anyhow::Result<bool> {
     anyhow::ensure!(!controls.is_empty(), "give at least one --control address");
     let mut all_ok = true;
     for control in controls {
         let fetched = async {
-            let channel = channel(control)?
-                .connect()
-                .await
-                .map_err(|e| format!("unreachable: {e}"))?;
+            let channel = access.channel(control).await?;
             tether_control::diagnostics::fetch_metrics(channel)
                 .await
-                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+                .map_err(|s| format!("{:?}: {}", s.code(), status_chain(&s)))
         };
         match tokio::time::timeout(ANSWER * 2, fetched).await {
             Ok(Ok(m)) => {

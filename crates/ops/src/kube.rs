@@ -230,6 +230,8 @@ pub fn install(o: &InstallOptions) -> anyhow::Result<String> {
                 "/var/run/tether/identity",
                 "--cluster-domain",
                 &o.cluster_domain,
+                "--control-identity",
+                &tether_identity::control::control_identity(ns, &o.cluster_domain),
             ]
             .map(String::from)
             .to_vec(),
@@ -318,6 +320,8 @@ pub fn install(o: &InstallOptions) -> anyhow::Result<String> {
                 "/var/run/tether/trust/ca.crt".into(),
                 "--trust-domain".into(),
                 o.cluster_domain.clone(),
+                "--control-identity".into(),
+                tether_identity::control::control_identity(ns, &o.cluster_domain),
             ]
             .to_vec(),
         ),
@@ -483,6 +487,8 @@ fn sidecars(o: &InjectOptions, app_port: i64, opaque: bool) -> Vec<Container> {
                 "/var/run/secrets/tether/token".into(),
                 "--trust-root".into(),
                 "/var/run/tether/trust/ca.crt".into(),
+                "--control-identity".into(),
+                tether_identity::control::control_identity(&o.control_namespace, &o.cluster_domain),
             ]
             .into_iter()
             .chain(opaque.then(|| "--inbound-opaque".to_string()))

@@ -11,6 +11,7 @@ use std::time::Duration;
 use prometheus_client::registry::Registry;
 use rustls::ServerConfig;
 use tether_admin::{bind, Admin, Readiness, Shutdown};
+use tether_identity::control::ControlTls;
 use tether_identity::tls::CertStore;
 use tokio::net::TcpListener;
 
@@ -37,6 +38,19 @@ pub struct BootstrapConfig {
     pub serve: ServeConfig,
     /// The tap API (`tether tap`); off when `None`.
     pub tap: Option<crate::tap::TapConfig>,
+    /// How to reach the control plane: TLS (the default) or plaintext.
+    pub control_channel: ControlChannel,
+}
+
+/// How the proxy talks to the control plane.
+#[derive(Clone, Debug, Default)]
+pub struct ControlChannel {
+    /// Plaintext gRPC (`--insecure-control-plane`).
+    pub insecure: bool,
+    /// The identity the control plane must present; by default
+    /// `tether-control.tether-system.serviceaccount.identity.<trust domain
+    /// of --identity>`.
+    pub identity: Option<String>,
 }
 
 /// The pieces a process builds its listeners from.
@@ -70,7 +84,9 @@ impl Bootstrap {
         if config.tls_mode == TlsMode::Mandatory && config.identity.is_none() {
             return Err(ProxyStartError::MandatoryWithoutIdentity);
         }
-        let controls = ControlPlanes::new(&config.control)?;
+        let store = CertStore::new();
+        let control_tls = control_tls(config, &store)?;
+        let controls = ControlPlanes::new(&config.control, control_tls)?;
         let mut registry = Registry::default();
         let metrics = ProxyMetrics::default();
         metrics.register(&mut registry);
@@ -82,7 +98,6 @@ impl Bootstrap {
                 let identity_metrics = IdentityMetrics::default();
                 identity_metrics.register(&mut registry);
                 readiness.require(crate::identity::CERTIFICATE);
-                let store = CertStore::new();
                 let (client, server) =
                     TlsClient::for_identity(&id.trust_root, store.clone(), config.tls_mode)?;
                 (
@@ -124,6 +139,30 @@ impl Bootstrap {
             },
         })
     }
+}
+
+/// TLS to the control plane, verifying it as the configured (or default)
+/// control-plane identity against this proxy's trust root; `None` when
+/// plaintext was asked for.
+fn control_tls(
+    config: &BootstrapConfig,
+    store: &Arc<CertStore>,
+) -> Result<Option<Arc<ControlTls>>, ProxyStartError> {
+    if config.control_channel.insecure {
+        return Ok(None);
+    }
+    let identity = config
+        .identity
+        .as_ref()
+        .ok_or(ProxyStartError::ControlTlsWithoutIdentity)?;
+    let expected = match &config.control_channel.identity {
+        Some(expected) => expected.clone(),
+        None => tether_identity::control::trust_domain_of(&identity.name)
+            .map(tether_identity::control::default_control_identity)
+            .ok_or_else(|| ProxyStartError::ControlIdentity(identity.name.clone()))?,
+    };
+    let roots = Arc::new(tether_identity::tls::load_roots(&identity.trust_root)?);
+    Ok(Some(ControlTls::new(&expected, store.clone(), roots)?))
 }
 
 impl Background {

@@ -42,8 +42,9 @@ use linkerd2_proxy_api::destination::{
     WeightedAddr,
 };
 use tether_admin::Shutdown;
+use tether_identity::control::{status_chain, Auth, ControlTls};
 use tokio::sync::{watch, Notify};
-use tonic::transport::{Channel, Endpoint as TonicEndpoint};
+use tonic::transport::Channel;
 
 use crate::ProxyStartError;
 
@@ -162,7 +163,9 @@ pub type Stall = Arc<Notify>;
 /// The control planes a proxy may talk to, tried in turn.
 pub struct ControlPlanes {
     targets: Vec<String>,
-    channels: Mutex<HashMap<SocketAddr, Channel>>,
+    /// TLS to the control plane; `None` with `--insecure-control-plane`.
+    tls: Option<Arc<ControlTls>>,
+    channels: Mutex<HashMap<(SocketAddr, Auth), Channel>>,
     /// The replica that answered last: where new streams start, so a hung
     /// replica costs one stream its first-answer timeout, not every stream.
     preferred: Mutex<Option<SocketAddr>>,
@@ -177,7 +180,10 @@ pub struct Picked {
 }
 
 impl ControlPlanes {
-    pub fn new(targets: &[String]) -> Result<Arc<Self>, ProxyStartError> {
+    pub fn new(
+        targets: &[String],
+        tls: Option<Arc<ControlTls>>,
+    ) -> Result<Arc<Self>, ProxyStartError> {
         for t in targets {
             let ok = t.rsplit_once(':').is_some_and(|(host, port)| {
                 !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
@@ -188,6 +194,7 @@ impl ControlPlanes {
         }
         Ok(Arc::new(Self {
             targets: targets.to_vec(),
+            tls,
             channels: Mutex::default(),
             preferred: Mutex::default(),
         }))
@@ -204,8 +211,20 @@ impl ControlPlanes {
         *self.preferred.lock().unwrap() = Some(addr);
     }
 
+    /// As [`ControlPlanes::pick`], for `Identity.Certify`: server-authenticated
+    /// TLS, which needs no certificate of this proxy's.
+    pub async fn pick_for_certify(&self, attempt: usize) -> Result<(SocketAddr, Channel), String> {
+        self.pick_with(attempt, Auth::Server)
+            .await
+            .map(|p| (p.addr, p.channel))
+    }
+
     /// As [`ControlPlanes::pick`], also saying how many there are.
     pub async fn pick_one(&self, attempt: usize) -> Result<Picked, String> {
+        self.pick_with(attempt, Auth::Mutual).await
+    }
+
+    async fn pick_with(&self, attempt: usize, auth: Auth) -> Result<Picked, String> {
         let mut addrs = Vec::new();
         for t in &self.targets {
             match tokio::time::timeout(Duration::from_secs(2), tokio::net::lookup_host(t.as_str()))
@@ -233,15 +252,9 @@ impl ControlPlanes {
         let addr = addrs[(start + attempt) % addrs.len()];
         let mut channels = self.channels.lock().unwrap();
         let channel = channels
-            .entry(addr)
+            .entry((addr, auth))
             .or_insert_with(|| {
-                TonicEndpoint::from_shared(format!("http://{addr}"))
-                    .expect("a socket address is a valid URI")
-                    .connect_timeout(Duration::from_secs(1))
-                    .http2_keep_alive_interval(Duration::from_secs(10))
-                    .keep_alive_timeout(Duration::from_secs(5))
-                    .keep_alive_while_idle(true)
-                    .connect_lazy()
+                tether_identity::control::channel(addr, self.tls.clone().map(|tls| (tls, auth)))
             })
             .clone();
         Ok(Picked {
@@ -493,7 +506,7 @@ async fn follow(
         reason: EndReason::Error,
     };
     let failed = |addr: SocketAddr, status: tonic::Status| {
-        let message = bounded(status.message());
+        let message = bounded(&status_chain(&status));
         if is_too_large(&status) {
             Ended {
                 error: StreamError::TooLarge(format!(
@@ -786,7 +799,7 @@ mod tests {
     fn discovery(controls: &[SocketAddr], first_answer: Duration) -> Discovery {
         let targets: Vec<String> = controls.iter().map(|a| a.to_string()).collect();
         Discovery::new(
-            ControlPlanes::new(&targets).unwrap(),
+            ControlPlanes::new(&targets, None).unwrap(),
             crate::metrics::ProxyMetrics::default(),
         )
         .with_first_answer_timeout(first_answer)

@@ -93,7 +93,13 @@ async fn certify_once(
             certificate_signing_request: kc.csr_der,
         })
         .await
-        .map_err(|s| format!("Certify refused ({:?}): {}", s.code(), s.message()))?
+        .map_err(|s| {
+            format!(
+                "Certify failed ({:?}): {}",
+                s.code(),
+                tether_identity::control::status_chain(&s)
+            )
+        })?
         .into_inner();
     let expires = tether_identity::cert::not_after(&rsp.leaf_certificate)
         .ok_or_else(|| "control plane returned an unreadable certificate".to_string())?;
@@ -127,7 +133,7 @@ pub async fn maintain(
     let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     let mut next = 0usize;
     loop {
-        let attempt = match controls.pick(next).await {
+        let attempt = match controls.pick_for_certify(next).await {
             Ok((addr, channel)) => {
                 let mut client = IdentityClient::new(channel);
                 certify_once(&mut client, &config, &store)

@@ -84,6 +84,10 @@ pub enum ProxyStartError {
     MandatoryWithoutIdentity,
     #[error("--control-plane-unavailable=forward sends plaintext to original destinations, which --tls mandatory forbids; use --tls opportunistic or --control-plane-unavailable=fail")]
     ForwardWithMandatoryTls,
+    #[error("TLS to the control plane verifies it against the trust root: give --identity, --identity-token-file and --trust-root, or --insecure-control-plane for plaintext")]
+    ControlTlsWithoutIdentity,
+    #[error("--control-identity not given and {0:?} names no trust domain to derive it from")]
+    ControlIdentity(String),
     #[error("identity: {0}")]
     Tls(#[from] tether_identity::tls::TlsError),
 }

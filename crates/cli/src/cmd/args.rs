@@ -82,6 +82,14 @@ pub struct BootstrapArgs {
     /// Seconds in-flight requests get to finish on SIGTERM.
     #[arg(long, default_value = "10", value_parser = parse_secs)]
     pub drain_timeout: Duration,
+    /// The identity the control plane must present over TLS (default:
+    /// tether-control.tether-system.serviceaccount.identity.<trust domain of --identity>).
+    #[arg(long)]
+    pub control_identity: Option<String>,
+    /// Talk to the control plane in plaintext gRPC (the control plane must
+    /// allow it too); without it the channel is TLS and needs --identity.
+    #[arg(long)]
+    pub insecure_control_plane: bool,
     #[command(flatten)]
     pub serve: ServeArgs,
     /// Serve the tap API (`tether tap`) on this address; off without it.
@@ -125,6 +133,10 @@ impl BootstrapArgs {
                     self.tap_header
                 },
             }),
+            control_channel: tether_proxy::bootstrap::ControlChannel {
+                insecure: self.insecure_control_plane,
+                identity: self.control_identity,
+            },
         }
     }
 }

@@ -76,6 +76,15 @@ pub struct ControlArgs {
     /// (RESOURCE_EXHAUSTED) and proxies try another replica.
     #[arg(long, default_value = "100000", value_parser = clap::value_parser!(u64).range(1..))]
     max_subscriptions: u64,
+    /// The identity the gRPC port's TLS certificate names (issued from
+    /// --identity); proxies verify it (default:
+    /// tether-control.tether-system.serviceaccount.identity.CLUSTER_DOMAIN).
+    #[arg(long)]
+    control_identity: Option<String>,
+    /// Also serve plaintext gRPC clients (tokens, CSRs and endpoints in
+    /// clear); without --identity, serve plaintext only.
+    #[arg(long)]
+    insecure_control_plane: bool,
 }
 
 impl ControlArgs {
@@ -99,7 +108,7 @@ impl ControlArgs {
             token_audience: self.token_audience,
             grpc_addr: self.grpc,
             admin_addr: self.admin,
-            cluster_domain: self.cluster_domain,
+            cluster_domain: self.cluster_domain.clone(),
             identity_dir: self.identity,
             leaf_lifetime: self.identity_leaf_lifetime,
             audit_interval: self.audit_interval,
@@ -111,6 +120,10 @@ impl ControlArgs {
                 links,
             },
             max_subscriptions: count(self.max_subscriptions),
+            control_identity: self.control_identity.unwrap_or_else(|| {
+                tether_identity::control::default_control_identity(&self.cluster_domain)
+            }),
+            insecure_control_plane: self.insecure_control_plane,
         };
         config.validate()?;
         Ok(config)

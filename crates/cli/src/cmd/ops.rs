@@ -11,6 +11,34 @@ pub struct ClusterDomainArg {
     cluster_domain: String,
 }
 
+/// How operator tools reach control planes.
+#[derive(clap::Args)]
+pub struct ControlAccessArgs {
+    /// The identity directory: its trust root verifies control planes, and
+    /// its issuer signs this tool a short-lived certificate for mutual TLS
+    /// (`tether check` also checks the root's and issuer's expiry).
+    #[arg(long)]
+    identity: Option<PathBuf>,
+    /// The identity control planes must present (default:
+    /// tether-control.tether-system.serviceaccount.identity.CLUSTER_DOMAIN).
+    #[arg(long)]
+    control_identity: Option<String>,
+    /// Plaintext gRPC to control planes that allow it.
+    #[arg(long)]
+    insecure_control_plane: bool,
+}
+
+impl ControlAccessArgs {
+    fn access(&self, trust_domain: &str) -> tether_ops::control::ControlAccess {
+        tether_ops::control::ControlAccess {
+            insecure: self.insecure_control_plane,
+            identity_dir: self.identity.clone(),
+            control_identity: self.control_identity.clone(),
+            trust_domain: trust_domain.to_string(),
+        }
+    }
+}
+
 /// Check the mesh: control planes, replicas, certificates, proxies (a hint per failure).
 #[derive(clap::Args)]
 pub struct CheckArgs {
@@ -20,9 +48,8 @@ pub struct CheckArgs {
     /// A proxy's admin address (repeatable).
     #[arg(long)]
     proxy: Vec<SocketAddr>,
-    /// The identity directory, to check the trust root and issuer.
-    #[arg(long)]
-    identity: Option<PathBuf>,
+    #[command(flatten)]
+    access: ControlAccessArgs,
     /// The registry directory, to check replicas serve what it says.
     #[arg(long)]
     registry: Option<PathBuf>,
@@ -35,8 +62,9 @@ impl CheckArgs {
         tether_ops::check::CheckOptions {
             controls: self.control,
             proxies: self.proxy,
-            identity: self.identity,
+            identity: self.access.identity.clone(),
             registry: self.registry,
+            access: self.access.access(&self.domain.cluster_domain),
             cluster_domain: self.domain.cluster_domain,
         }
     }
@@ -63,6 +91,8 @@ pub enum DiagnosticsCommand {
         registry: Option<PathBuf>,
         #[command(flatten)]
         domain: ClusterDomainArg,
+        #[command(flatten)]
+        access: ControlAccessArgs,
     },
     /// Each replica's metrics, headed by replica.
     ControllerMetrics {
@@ -72,6 +102,10 @@ pub enum DiagnosticsCommand {
         /// Only lines containing this text.
         #[arg(long)]
         filter: Option<String>,
+        #[command(flatten)]
+        domain: ClusterDomainArg,
+        #[command(flatten)]
+        access: ControlAccessArgs,
     },
 }
 
@@ -83,8 +117,10 @@ impl DiagnosticsCommand {
                 control,
                 registry,
                 domain,
+                access,
             } => {
                 let agree = tether_ops::diagnostics::endpoints(
+                    &access.access(&domain.cluster_domain),
                     &authority,
                     &control,
                     registry.as_ref(),
@@ -93,9 +129,18 @@ impl DiagnosticsCommand {
                 .await?;
                 anyhow::ensure!(agree, "the views differ");
             }
-            Self::ControllerMetrics { control, filter } => {
-                let ok = tether_ops::diagnostics::controller_metrics(&control, filter.as_deref())
-                    .await?;
+            Self::ControllerMetrics {
+                control,
+                filter,
+                domain,
+                access,
+            } => {
+                let ok = tether_ops::diagnostics::controller_metrics(
+                    &access.access(&domain.cluster_domain),
+                    &control,
+                    filter.as_deref(),
+                )
+                .await?;
                 anyhow::ensure!(ok, "some replicas could not be read");
             }
         }
