@@ -155,6 +155,7 @@ async fn main() -> anyhow::Result<()> {
             s("127.0.0.1:0"),
             s("--admin"),
             s("127.0.0.1:0"),
+            s("--insecure-control-plane"),
         ],
         &dir.join("control.log"),
         &["grpc", "admin"],

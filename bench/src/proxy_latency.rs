@@ -144,6 +144,8 @@ async fn main() -> anyhow::Result<()> {
             s(any),
             s("--identity"),
             ca.display().to_string(),
+            // The plaintext mesh's proxies have no identity to do TLS with.
+            s("--insecure-control-plane"),
         ],
         &log("control"),
         &["grpc", "admin"],
@@ -188,6 +190,8 @@ async fn main() -> anyhow::Result<()> {
     let spawn = |name: &'static str, argv: Vec<String>, expect: &'static [&'static str]| {
         let log = log(name);
         let tether = args.tether.clone();
+        let mut argv = argv;
+        tether_mesh_up::process::plaintext_control_plane_without_identity(&mut argv);
         async move { Process::spawn(&tether, name, &argv, &log, expect).await }
     };
     let server = spawn("server", proxy(app_addr, None)?, &["inbound", "admin"]).await?;

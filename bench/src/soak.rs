@@ -171,6 +171,8 @@ impl Mesh {
             )
         };
         let log = self.logs.join(format!("{name}.{life}.log"));
+        let mut argv = argv;
+        tether_mesh_up::process::plaintext_control_plane_without_identity(&mut argv);
         let process = Process::spawn(&self.exe, &name, &argv, &log, expect).await?;
         let pid = process.pid().context("no pid")?;
         {

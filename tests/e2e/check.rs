@@ -64,9 +64,16 @@ async fn check_passes_a_healthy_mesh_and_names_what_is_broken() {
     // A second replica over another registry disagrees.
     let other = Scratch::new();
     other.service("web", 8080, false);
-    let other_control = other.control().await;
+    let other_control = other.control_with_identity("control", &ca, "3600").await;
     let other_grpc = other_control.addr("grpc").to_string();
-    let (ok, out) = check(&["--control", &grpc, "--control", &other_grpc]);
+    let (ok, out) = check(&[
+        "--control",
+        &grpc,
+        "--control",
+        &other_grpc,
+        "--identity",
+        &ca_s,
+    ]);
     assert!(!ok, "{out}");
     assert!(
         out.contains("✘ replicas disagree") && out.contains("hint: compare them"),

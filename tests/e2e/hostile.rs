@@ -28,9 +28,7 @@ async fn certified_client(
     let token = tether_identity::token::LocalTokens::load(ca)
         .unwrap()
         .issue(identity);
-    let mut client = IdentityClient::connect(format!("http://{control}"))
-        .await
-        .unwrap();
+    let mut client = IdentityClient::new(certify_channel(control, ca));
     let rsp = client
         .certify(CertifyRequest {
             identity: identity.into(),
@@ -263,7 +261,9 @@ async fn proxy_with_fd_limit(
         format!("ulimit -n {fds} && exec \"$0\" \"$@\""),
         tether().display().to_string(),
     ];
-    all.extend(args.iter().map(|s| s.to_string()));
+    let mut args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    tether_mesh_up::process::plaintext_control_plane_without_identity(&mut args);
+    all.extend(args);
     Process::spawn(
         std::path::Path::new("/bin/sh"),
         name,

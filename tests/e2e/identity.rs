@@ -422,13 +422,12 @@ async fn certificates_rotate_with_no_failed_request() {
 
 async fn certify(
     control: SocketAddr,
+    ca: &Path,
     identity: &str,
     token: &[u8],
     csr: Vec<u8>,
 ) -> Result<(), tonic::Status> {
-    let mut client = IdentityClient::connect(format!("http://{control}"))
-        .await
-        .unwrap();
+    let mut client = IdentityClient::new(certify_channel(control, ca));
     client
         .certify(CertifyRequest {
             identity: identity.into(),
@@ -463,29 +462,29 @@ async fn certify_refuses_bad_tokens_names_and_csrs() {
     let web = id("web");
     let csr = tether_identity::csr::generate(&web).unwrap().csr_der;
 
-    certify(grpc, &web, &token_for(&ca, &web), csr.clone())
+    certify(grpc, &ca, &web, &token_for(&ca, &web), csr.clone())
         .await
         .expect("a good request is certified");
 
-    let e = certify(grpc, &web, b"tether-v1:nope:00", csr.clone())
+    let e = certify(grpc, &ca, &web, b"tether-v1:nope:00", csr.clone())
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
     assert!(e.message().contains("token"), "{}", e.message());
 
-    let e = certify(grpc, &web, &token_for(&ca, &id("db")), csr.clone())
+    let e = certify(grpc, &ca, &web, &token_for(&ca, &id("db")), csr.clone())
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
 
     let other_csr = tether_identity::csr::generate(&id("db")).unwrap().csr_der;
-    let e = certify(grpc, &web, &token_for(&ca, &web), other_csr)
+    let e = certify(grpc, &ca, &web, &token_for(&ca, &web), other_csr)
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
     assert!(e.message().contains("CSR asks for"), "{}", e.message());
 
-    let e = certify(grpc, &web, &token_for(&ca, &web), b"garbage".to_vec())
+    let e = certify(grpc, &ca, &web, &token_for(&ca, &web), b"garbage".to_vec())
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
@@ -580,10 +579,39 @@ async fn certify_with_an_expired_issuer_is_a_failed_precondition() {
     let mut opts = tether_identity::ca::InitOptions::new(&ca, "cluster.local");
     opts.issuer_lifetime = Duration::ZERO;
     tether_identity::ca::init(&opts).unwrap();
-    let control = scratch.control_with_identity("control", &ca, "60").await;
+    // Over TLS the control plane cannot start: it has no valid certificate
+    // of its own to present.
+    let ca_s = ca.display().to_string();
+    let (ok, out) = run_tether(&[
+        "control",
+        "--registry",
+        scratch.registry().to_str().unwrap(),
+        "--grpc",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--identity",
+        &ca_s,
+    ]);
+    assert!(!ok, "{out}");
+    assert!(out.contains("issuer certificate expired"), "{out}");
+    // In plaintext it starts, and Certify says why it cannot sign.
+    let control = scratch
+        .control_at(
+            "control",
+            "127.0.0.1:0",
+            &["--identity", &ca_s, "--insecure-control-plane"],
+        )
+        .await;
     let web = id("web");
     let csr = tether_identity::csr::generate(&web).unwrap().csr_der;
-    let e = certify(control.addr("grpc"), &web, &token_for(&ca, &web), csr)
+    let channel = tether_identity::control::channel(control.addr("grpc"), None);
+    let e = IdentityClient::new(channel)
+        .certify(CertifyRequest {
+            identity: web.clone(),
+            token: token_for(&ca, &web),
+            certificate_signing_request: csr,
+        })
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
@@ -606,9 +634,15 @@ async fn certify_with_an_expired_issuer_is_a_failed_precondition() {
 
 /// A client sidecar under `--tls mandatory`, asking `control` for its
 /// certificate.
-async fn strict_client(scratch: &Scratch, ca: &Path, control: SocketAddr) -> Process {
+async fn strict_client(
+    scratch: &Scratch,
+    ca: &Path,
+    control: SocketAddr,
+    extra: &[&str],
+) -> Process {
     let mut args = scratch.identity_args(ca, &id("strict"), ca);
     args.extend(["--tls".to_string(), "mandatory".to_string()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     scratch.proxy("strict", control, None, &args).await
 }
@@ -616,7 +650,7 @@ async fn strict_client(scratch: &Scratch, ca: &Path, control: SocketAddr) -> Pro
 #[tokio::test]
 async fn mandatory_tls_refuses_an_endpoint_without_identity() {
     let mesh = tls_mesh(&id("web"), &[], "3600").await;
-    let strict = strict_client(&mesh.scratch, &mesh.ca, mesh.control.addr("grpc")).await;
+    let strict = strict_client(&mesh.scratch, &mesh.ca, mesh.control.addr("grpc"), &[]).await;
     wait_ready(strict.addr("admin")).await;
     // The endpoint is meshed but discovery gives it no identity.
     mesh.scratch
@@ -645,7 +679,14 @@ async fn mandatory_tls_refuses_to_send_before_the_first_certificate() {
         .proxy("server", control.addr("grpc"), Some(app.addr("http")), &[])
         .await;
     endpoint_with_identity(&scratch, server.addr("inbound"), &id("web"));
-    let strict = strict_client(&scratch, &ca, control.addr("grpc")).await;
+    // Plaintext to it: TLS would need the control plane's own certificate.
+    let strict = strict_client(
+        &scratch,
+        &ca,
+        control.addr("grpc"),
+        &["--insecure-control-plane"],
+    )
+    .await;
     let web = authority("web", 8080);
     let a = get(strict.addr("outbound"), &web).await;
     assert_eq!(a.status, 502, "{:?} {}", a.proxy_error(), a.body);

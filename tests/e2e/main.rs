@@ -8,6 +8,7 @@ mod support;
 
 mod balancing;
 mod check;
+mod control_tls;
 mod diagnostics;
 mod discovery;
 mod discovery_limits;

@@ -56,6 +56,7 @@ async fn control_plane_refuses_a_missing_registry_directory() {
             "127.0.0.1:0",
             "--admin",
             "127.0.0.1:0",
+            "--insecure-control-plane",
         ])
         .output()
         .unwrap();

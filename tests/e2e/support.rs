@@ -20,8 +20,10 @@ pub fn tether() -> &'static Path {
 /// Runs `tether ARGS` to completion: whether it succeeded, and its stdout
 /// followed by its stderr.
 pub fn run_tether(args: &[&str]) -> (bool, String) {
+    let mut args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    tether_mesh_up::process::plaintext_control_plane_without_identity(&mut args);
     let out = std::process::Command::new(tether())
-        .args(args)
+        .args(&args)
         .output()
         .unwrap();
     let text = format!(
@@ -90,8 +92,11 @@ impl Scratch {
         self.write(&format!("{file}.yaml"), &doc.to_yaml());
     }
 
+    /// Starts `tether ARGS`: over TLS to (or on) the control plane when it
+    /// has an `--identity`, in plaintext otherwise.
     pub async fn spawn(&self, name: &str, args: &[&str], expect: &[&str]) -> Process {
-        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let mut args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        tether_mesh_up::process::plaintext_control_plane_without_identity(&mut args);
         Process::spawn(tether(), name, &args, &self.log(name), expect)
             .await
             .unwrap_or_else(|e| panic!("{e:#}\n--- {name} log ---\n{}", self.read_log(name)))
@@ -463,9 +468,7 @@ pub async fn certified_store(
         .unwrap()
         .issue(identity)
         .into_bytes();
-    let rsp = IdentityClient::connect(format!("http://{control}"))
-        .await
-        .unwrap()
+    let rsp = IdentityClient::new(certify_channel(control, ca))
         .certify(CertifyRequest {
             identity: identity.into(),
             token,
@@ -486,6 +489,21 @@ pub async fn certified_store(
         .unwrap();
     let roots = tether_identity::tls::load_roots(&ca.join("ca.crt")).unwrap();
     (store, std::sync::Arc::new(roots))
+}
+
+/// A channel to the control plane at `control` for Certify:
+/// server-authenticated TLS, verifying the default control-plane identity
+/// against `ca`'s root.
+pub fn certify_channel(control: SocketAddr, ca: &Path) -> tonic::transport::Channel {
+    use tether_identity::control::{channel, default_control_identity, Auth, ControlTls};
+    let roots = tether_identity::tls::load_roots(&ca.join("ca.crt")).unwrap();
+    let tls = ControlTls::new(
+        &default_control_identity(DOMAIN),
+        tether_identity::tls::CertStore::new(),
+        std::sync::Arc::new(roots),
+    )
+    .unwrap();
+    channel(control, Some((tls, Auth::Server)))
 }
 
 /// One HTTP/1.1 GET over TLS to `connect`, verifying the server as

@@ -13,6 +13,20 @@ use anyhow::{anyhow, bail, Context};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+/// For harnesses (tests, benchmarks): a `tether` command line that talks to
+/// or serves the control plane gets `--insecure-control-plane` when it has
+/// no `--identity` to do TLS with; with one, it keeps the default, TLS.
+pub fn plaintext_control_plane_without_identity(args: &mut Vec<String>) {
+    let speaks_to_control = matches!(
+        args.first().map(String::as_str),
+        Some("control" | "proxy" | "gateway" | "check" | "diagnostics")
+    );
+    let has = |flag: &str| args.iter().any(|a| a == flag);
+    if speaks_to_control && !has("--identity") && !has("--insecure-control-plane") {
+        args.push("--insecure-control-plane".into());
+    }
+}
+
 pub struct Process {
     pub name: String,
     pub addrs: HashMap<String, SocketAddr>,
