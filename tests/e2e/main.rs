@@ -9,6 +9,7 @@ mod support;
 mod balancing;
 mod check;
 mod control_tls;
+mod dashboard;
 mod diagnostics;
 mod discovery;
 mod discovery_limits;

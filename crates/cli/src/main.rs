@@ -7,7 +7,7 @@ mod cmd;
 use clap::{Parser, Subcommand};
 use tether_admin::Shutdown;
 
-use cmd::{control, demo, gateway, identity, ops, proxy, stat, tap, up};
+use cmd::{control, dashboard, demo, gateway, identity, ops, proxy, stat, tap, up};
 
 #[derive(Parser)]
 #[command(
@@ -36,6 +36,8 @@ enum Command {
     Stat(stat::StatArgs),
     /// Watch requests through proxies live (method, path, status, latency, identities, endpoint).
     Tap(tap::TapArgs),
+    /// Serve a live web dashboard of the mesh (topology, golden metrics, endpoints, failover, control plane).
+    Dashboard(dashboard::DashboardArgs),
     /// Compare what control-plane replicas serve, with each other and the registry.
     Diagnostics {
         #[command(subcommand)]
@@ -81,6 +83,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Check(args) => args.run().await,
         Command::Stat(args) => args.run().await,
         Command::Tap(args) => args.run().await,
+        Command::Dashboard(args) => args.run(shutdown).await,
         Command::Diagnostics { command } => command.run().await,
         Command::Install(args) => args.run(),
         Command::Inject(args) => args.run(),

@@ -686,7 +686,27 @@ async fn start_and_run(
         None => println!("  identity: off (plaintext between proxies)"),
     }
     println!("  logs:     {}", logs.display());
+    // The dashboard reads the state file at every sample: it may start first.
+    let state_arg = config.state.display().to_string();
+    let dashboard = ctx
+        .spawn(
+            "dashboard",
+            &[
+                "dashboard",
+                "--state",
+                &state_arg,
+                "--listen",
+                "127.0.0.1:0",
+            ]
+            .map(String::from),
+            &["dashboard"],
+        )
+        .await?;
+    let url = format!("http://{}/", dashboard.addr("dashboard"));
+    mesh.processes.push(dashboard);
+    mesh.state.dashboard = Some(url.clone());
     save_state(&mesh.state, &config.state)?;
+    println!("  dashboard: {url}");
     println!(
         "  state:    {} (read by `tether stat`, `tether tap`, `tether dashboard`)",
         config.state.display()

@@ -9,9 +9,11 @@
 //!   share) per service, workload or route, from two scrapes or from a
 //!   Prometheus.
 //! - [`tap`]: `tether tap`, following proxies' tap APIs.
+//! - [`dashboard`]: `tether dashboard`, a live web page of the mesh.
 
 #![forbid(unsafe_code)]
 
+pub mod dashboard;
 pub mod prometheus;
 pub mod scrape;
 pub mod stat;

@@ -5,6 +5,7 @@
 
 pub mod args;
 pub mod control;
+pub mod dashboard;
 pub mod demo;
 pub mod gateway;
 pub mod identity;
