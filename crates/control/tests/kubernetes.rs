@@ -35,6 +35,8 @@ use tokio::sync::Notify;
 const SERVICES: &str = "/api/v1/services";
 const SLICES: &str = "/apis/discovery.k8s.io/v1/endpointslices";
 const PODS: &str = "/api/v1/pods";
+const HTTPROUTES: &str = "/apis/gateway.networking.k8s.io/v1/httproutes";
+const GRPCROUTES: &str = "/apis/gateway.networking.k8s.io/v1/grpcroutes";
 const TOKEN_REVIEWS: &str = "/apis/authentication.k8s.io/v1/tokenreviews";
 
 #[derive(Default)]
@@ -62,12 +64,16 @@ struct ApiServer {
     hold_pods: Arc<AtomicBool>,
     pods_held: Arc<AtomicBool>,
     release_pods: Arc<Notify>,
+    /// Whether the Gateway API CRDs are installed (404 for routes if not).
+    routes_installed: Arc<AtomicBool>,
 }
 
 fn list_kind(path: &str) -> (&'static str, &'static str, &'static str) {
     match path {
         SERVICES => ("v1", "ServiceList", "Service"),
         SLICES => ("discovery.k8s.io/v1", "EndpointSliceList", "EndpointSlice"),
+        HTTPROUTES => ("gateway.networking.k8s.io/v1", "HTTPRouteList", "HTTPRoute"),
+        GRPCROUTES => ("gateway.networking.k8s.io/v1", "GRPCRouteList", "GRPCRoute"),
         _ => ("v1", "PodList", "Pod"),
     }
 }
@@ -152,6 +158,8 @@ impl ApiServer {
             SERVICES => SERVICES,
             SLICES => SLICES,
             PODS => PODS,
+            HTTPROUTES if self.routes_installed.load(Ordering::SeqCst) => HTTPROUTES,
+            GRPCROUTES if self.routes_installed.load(Ordering::SeqCst) => GRPCROUTES,
             other => {
                 let body = format!("{{\"kind\":\"Status\",\"apiVersion\":\"v1\",\"status\":\"Failure\",\"message\":\"no {other}\",\"code\":404}}");
                 return http::Response::builder()
@@ -514,6 +522,81 @@ async fn watches_services_slices_and_pods_through_gone_and_dropped_watches() {
     assert!(s.bookmarks_requested, "watches did not ask for bookmarks");
     assert!(s.gone >= 1, "no watch was answered 410 Gone");
     assert!(s.lists >= 4, "no relist after 410 Gone ({} lists)", s.lists);
+}
+
+fn http_route(name: &str, weight: u32) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+        "metadata": {"name": name, "namespace": "demo"},
+        "spec": {
+            // A Gateway parent (not the mesh's) beside the Service.
+            "parentRefs": [{"name": "edge"}, {"group": "", "kind": "Service", "name": "web", "port": 80}],
+            "hostnames": ["web.example.com"],
+            "rules": [{
+                // The API server's defaults, as a cluster stores them.
+                "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                "backendRefs": [
+                    {"group": "", "kind": "Service", "name": "web", "port": 80, "weight": 100 - weight},
+                    {"group": "", "kind": "Service", "name": "web-v2", "port": 80, "weight": weight},
+                ],
+            }],
+        },
+    })
+}
+
+fn canary_weight(index: &Index) -> Option<u32> {
+    let state = index.service(&ServiceKey::new("web", "demo"))?;
+    match state.routes.first()? {
+        tether_core::route::Route::Http(r) => Some(r.rules[0].backend_refs[1].weight),
+        tether_core::route::Route::Grpc(_) => None,
+    }
+}
+
+#[tokio::test]
+async fn routes_come_from_the_gateway_api_crds() {
+    let api = ApiServer::default();
+    api.routes_installed.store(true, Ordering::SeqCst);
+    api.upsert(SERVICES, service());
+    api.upsert(HTTPROUTES, http_route("canary", 10));
+    // A route for a Gateway only: not the mesh's, not an error.
+    let mut gateway_only = http_route("edge-only", 1);
+    gateway_only["spec"]["parentRefs"] = serde_json::json!([{"name": "edge"}]);
+    api.upsert(HTTPROUTES, gateway_only);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(api.clone().serve(listener));
+
+    let metrics = ControlMetrics::default();
+    let index = Index::new(metrics.clone());
+    let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
+    let lag = WatchLag::new_with_constructor(tether_control::metrics::LatencyBuckets);
+    let registry = KubernetesRegistry::new(client, "cluster.local", metrics.clone(), lag);
+    let loaded = Arc::new(AtomicBool::new(false));
+    let flag = loaded.clone();
+    tokio::spawn(registry.run(
+        index.clone(),
+        Box::new(move || flag.store(true, Ordering::SeqCst)),
+    ));
+    assert!(
+        eventually(|| loaded.load(Ordering::SeqCst)).await,
+        "never loaded"
+    );
+    assert_eq!(canary_weight(&index), Some(10));
+    let state = index.service(&ServiceKey::new("web", "demo")).unwrap();
+    assert_eq!(state.routes.len(), 1, "{:?}", state.routes);
+    assert_eq!(metrics.registry_reload_errors.get(), 0);
+
+    // A change arrives through the watch.
+    api.upsert(HTTPROUTES, http_route("canary", 30));
+    assert!(eventually(|| canary_weight(&index) == Some(30)).await);
+
+    // An invalid version is rejected and the last valid one stays.
+    let mut invalid = http_route("canary", 50);
+    invalid["spec"]["rules"][0]["matches"][0]["path"] =
+        serde_json::json!({"type": "RegularExpression", "value": "(a{100}){100}"});
+    api.upsert(HTTPROUTES, invalid);
+    assert!(eventually(|| metrics.registry_reload_errors.get() >= 1).await);
+    assert_eq!(canary_weight(&index), Some(30));
 }
 
 #[tokio::test]

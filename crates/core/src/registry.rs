@@ -14,7 +14,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::authority::{is_dns_label, ServiceKey};
-use crate::route::{GrpcRouteDoc, HttpRouteDoc, Route};
+use crate::route::{GrpcRouteDoc, HttpRouteDoc, Route, RouteKind};
 use crate::truncate::{bounded_message, for_log};
 
 /// How a service with a global id uses other clusters (reserved for
@@ -311,6 +311,18 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
         docs.push(doc);
     }
     Ok(docs)
+}
+
+/// Parses and validates one route given as a mapping of its fields (a
+/// Kubernetes route's `spec` with `name` and `namespace` added): the same
+/// checks, and the same errors, as a route document in a registry file.
+pub fn parse_route(kind: RouteKind, map: serde_yaml::Mapping) -> Result<Route, String> {
+    let route = match kind {
+        RouteKind::Http => from_mapping::<HttpRouteDoc>(map).map(Route::Http),
+        RouteKind::Grpc => from_mapping::<GrpcRouteDoc>(map).map(Route::Grpc),
+    }?;
+    route.validate().map_err(bounded_message)?;
+    Ok(route)
 }
 
 /// Deserializes a document body; errors start with the failing field's path

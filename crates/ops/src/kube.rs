@@ -128,6 +128,14 @@ fn control_address(o_namespace: &str, cluster_domain: &str) -> String {
     format!("tether-control.{o_namespace}.svc.{cluster_domain}:8086")
 }
 
+/// What `install` says first: routes need CRDs it does not install.
+const ROUTES_NOTE: &str = "\
+# Routes (HTTPRoute, GRPCRoute) come from the Gateway API CRDs, group
+# gateway.networking.k8s.io/v1, which this does not install. Install them
+# first (the Gateway API's standard-install.yaml, v1.1 or later, has both);
+# without them tether control serves no routes and logs that once.
+";
+
 /// Every manifest of the control plane, as YAML documents.
 pub fn install(o: &InstallOptions) -> anyhow::Result<String> {
     let read = |f: &str| -> anyhow::Result<String> {
@@ -167,6 +175,12 @@ pub fn install(o: &InstallOptions) -> anyhow::Result<String> {
                 &["get", "list", "watch"],
             ),
             rule(&["authentication.k8s.io"], &["tokenreviews"], &["create"]),
+            // Routes (docs/routes.md); the CRDs themselves are the Gateway API's.
+            rule(
+                &["gateway.networking.k8s.io"],
+                &["httproutes", "grpcroutes"],
+                &["get", "list", "watch"],
+            ),
         ]),
         ..Default::default()
     });
@@ -356,7 +370,7 @@ pub fn install(o: &InstallOptions) -> anyhow::Result<String> {
         &[("gateway", 4180)],
         Some("LoadBalancer"),
     ));
-    Ok(docs.join("---\n"))
+    Ok(format!("{ROUTES_NOTE}{}", docs.join("---\n")))
 }
 
 fn deployment(name: &str, ns: &str, replicas: i32, spec: PodSpec) -> Deployment {
@@ -696,7 +710,21 @@ mod tests {
                     "tokenreviews".into(),
                     vec!["create".to_string()]
                 ),
-                ("discovery.k8s.io".into(), "endpointslices".into(), watch),
+                (
+                    "discovery.k8s.io".into(),
+                    "endpointslices".into(),
+                    watch.clone()
+                ),
+                (
+                    "gateway.networking.k8s.io".into(),
+                    "grpcroutes".into(),
+                    watch.clone()
+                ),
+                (
+                    "gateway.networking.k8s.io".into(),
+                    "httproutes".into(),
+                    watch
+                ),
             ],
             "RBAC must cover exactly the watched resources and TokenReview"
         );

@@ -13,7 +13,17 @@
 //! - The Pod an endpoint points to gives the identity (its service
 //!   account) and whether it is meshed (it runs a `tether-proxy` container).
 //!
-//! The registry is loaded once all three kinds have been listed.
+//! - Gateway API `HTTPRoute`s and `GRPCRoute`s
+//!   (`gateway.networking.k8s.io/v1`) whose `parentRefs` name Services
+//!   give the routes, checked exactly like routes in a registry file
+//!   (`docs/routes.md`); parentRefs to Gateways are not the mesh's and are
+//!   skipped. An invalid route is logged and its last valid version kept.
+//!   A cluster without the CRDs has no routes: that is logged once and the
+//!   registry works without them (the watch keeps retrying, so routes
+//!   appear once the CRDs are installed).
+//!
+//! The registry is loaded once Services, EndpointSlices and Pods have been
+//! listed, and each route kind listed or found missing.
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -22,6 +32,7 @@ use std::time::Instant;
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, ResourceExt};
@@ -30,6 +41,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use tether_core::authority::ServiceKey;
 use tether_core::registry::{EndpointSpec, MulticlusterMode, PortSpec, RetryBudget};
+use tether_core::route::{Route, RouteKey, RouteKind};
+use tether_core::truncate::bounded_message;
 
 use super::{Registry, RegistryError};
 use crate::index::{Index, ServiceState};
@@ -76,6 +89,9 @@ enum Change {
     Service(Event<Service>),
     Slice(Event<EndpointSlice>),
     Pod(Event<Pod>),
+    Route(RouteKind, Event<DynamicObject>),
+    /// A route kind's CRD is not installed.
+    NoCrd(RouteKind),
 }
 
 /// Everything watched, by namespace and name.
@@ -84,6 +100,52 @@ struct World {
     services: HashMap<(String, String), Service>,
     slices: HashMap<(String, String), EndpointSlice>,
     pods: HashMap<(String, String), Pod>,
+    http_routes: HashMap<(String, String), DynamicObject>,
+    grpc_routes: HashMap<(String, String), DynamicObject>,
+    /// The valid routes, by kind, namespace and name.
+    routes: HashMap<RouteKey, Route>,
+}
+
+/// The Gateway API group routes come from.
+pub const GATEWAY_GROUP: &str = "gateway.networking.k8s.io";
+
+fn route_resource(kind: RouteKind) -> ApiResource {
+    ApiResource::from_gvk(&GroupVersionKind::gvk(GATEWAY_GROUP, "v1", kind.as_str()))
+}
+
+/// A Kubernetes route as the registry's route: its `spec` with the
+/// metadata's name and namespace, only the parentRefs naming Services.
+/// `Ok(None)` for a route that attaches to no Service (a Gateway's).
+fn route_of(kind: RouteKind, o: &DynamicObject) -> Result<Option<Route>, String> {
+    let mut spec = o.data.get("spec").cloned().unwrap_or_default();
+    let Some(fields) = spec.as_object_mut() else {
+        return Err("no spec".into());
+    };
+    let service_parent = |p: &serde_json::Value| {
+        let group = p
+            .get("group")
+            .and_then(|g| g.as_str())
+            .unwrap_or(GATEWAY_GROUP);
+        let kind = p.get("kind").and_then(|k| k.as_str()).unwrap_or("Gateway");
+        (group.is_empty() || group == "core") && kind == "Service"
+    };
+    let parents: Vec<serde_json::Value> = fields
+        .get("parentRefs")
+        .and_then(|p| p.as_array())
+        .map(|p| p.iter().filter(|p| service_parent(p)).cloned().collect())
+        .unwrap_or_default();
+    if parents.is_empty() {
+        return Ok(None);
+    }
+    fields.insert("parentRefs".into(), parents.into());
+    fields.insert("name".into(), o.name_any().into());
+    fields.insert("namespace".into(), o.namespace().unwrap_or_default().into());
+    let serde_yaml::Value::Mapping(map) =
+        serde_yaml::to_value(&spec).map_err(bounded_message)?
+    else {
+        return Err("spec is not a mapping".into());
+    };
+    tether_core::registry::parse_route(kind, map).map(Some)
 }
 
 fn key_of<K: ResourceExt>(o: &K) -> (String, String) {
@@ -147,6 +209,13 @@ impl World {
         if ports.is_empty() {
             return None;
         }
+        let mut routes: Vec<Route> = self
+            .routes
+            .values()
+            .filter(|r| r.parents().contains(key))
+            .cloned()
+            .collect();
+        routes.sort_by_key(Route::key);
         let mut endpoints = Vec::new();
         for slice in self
             .slices
@@ -237,8 +306,49 @@ impl World {
                 .filter(|ip| *ip != "None")
                 .and_then(|ip| ip.parse().ok()),
             endpoints,
-            routes: Vec::new(),
+            routes,
         })
+    }
+
+    /// Takes up the current version of each touched route object; returns
+    /// the services whose routes may have changed (old and new parents).
+    fn update_routes(
+        &mut self,
+        kind: RouteKind,
+        touched: &[DynamicObject],
+        metrics: &ControlMetrics,
+    ) -> BTreeSet<ServiceKey> {
+        let mut affected = BTreeSet::new();
+        for o in touched {
+            let (namespace, name) = key_of(o);
+            let key = RouteKey {
+                kind,
+                namespace: namespace.clone(),
+                name: name.clone(),
+            };
+            let objects = match kind {
+                RouteKind::Http => &self.http_routes,
+                RouteKind::Grpc => &self.grpc_routes,
+            };
+            let current = objects.get(&(namespace, name)).map(|o| route_of(kind, o));
+            let old = self.routes.remove(&key);
+            affected.extend(old.iter().flat_map(Route::parents));
+            match current {
+                None | Some(Ok(None)) => {}
+                Some(Ok(Some(route))) => {
+                    affected.extend(route.parents());
+                    self.routes.insert(key, route);
+                }
+                Some(Err(e)) => {
+                    metrics.registry_reload_errors.inc();
+                    tracing::error!("{key} rejected: {e}; its last valid version stays in force");
+                    if let Some(old) = old {
+                        self.routes.insert(key, old);
+                    }
+                }
+            }
+        }
+        affected
     }
 
     /// Services a pod's endpoints belong to.
@@ -267,6 +377,30 @@ where
         + 'static,
 {
     watcher::watcher(Api::<K>::all(client.clone()), watcher::Config::default()).default_backoff()
+}
+
+/// Watches one route kind. A missing CRD (404) is reported as
+/// [`Change::NoCrd`] (so loading does not wait for it) and retried quietly.
+fn watch_routes(
+    client: &Client,
+    kind: RouteKind,
+) -> impl Stream<Item = Result<Change, watcher::Error>> + Send {
+    let resource = route_resource(kind);
+    watcher::watcher(
+        Api::<DynamicObject>::all_with(client.clone(), &resource),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .map(move |e| match e {
+        Ok(e) => Ok(Change::Route(kind, e)),
+        Err(watcher::Error::InitialListFailed(kube::Error::Api(status)))
+            // The reason is not always set (a bare 404 for an unknown path).
+            if status.code == 404 || status.is_not_found() =>
+        {
+            Ok(Change::NoCrd(kind))
+        }
+        Err(e) => Err(e),
+    })
 }
 
 /// Whether an event is a live change (not part of a (re)list), whose
@@ -323,12 +457,21 @@ impl Registry for KubernetesRegistry {
                 watch::<Service>(&self.client).map(|e| e.map(Change::Service)),
                 watch::<EndpointSlice>(&self.client).map(|e| e.map(Change::Slice)),
             ),
-            watch::<Pod>(&self.client).map(|e| e.map(Change::Pod)),
+            futures::stream::select(
+                watch::<Pod>(&self.client).map(|e| e.map(Change::Pod)),
+                futures::stream::select(
+                    watch_routes(&self.client, RouteKind::Http),
+                    watch_routes(&self.client, RouteKind::Grpc),
+                ),
+            ),
         );
         let mut changes = std::pin::pin!(changes);
         let mut world = World::default();
         let (mut svc_relist, mut slice_relist, mut pod_relist) = (None, None, None);
-        let mut synced = [false; 3];
+        let (mut http_relist, mut grpc_relist) = (None, None);
+        // Services, slices, pods, HTTPRoutes, GRPCRoutes.
+        let mut synced = [false; 5];
+        let mut no_crd_logged = [false; 2];
         let mut loaded = Some(loaded);
         while let Some(change) = changes.next().await {
             let change = match change {
@@ -378,6 +521,32 @@ impl Registry for KubernetesRegistry {
                         let (ns, name) = key_of(p);
                         affected.extend(world.services_of_pod(&ns, &name));
                     }
+                }
+                Change::Route(kind, e) => {
+                    let live = is_live(&e);
+                    let mut touched = Vec::new();
+                    let (objects, relist, i) = match kind {
+                        RouteKind::Http => (&mut world.http_routes, &mut http_relist, 3),
+                        RouteKind::Grpc => (&mut world.grpc_routes, &mut grpc_relist, 4),
+                    };
+                    synced[i] |= apply(objects, relist, e, &mut touched);
+                    if live {
+                        for o in &touched {
+                            self.observe_lag(kind.as_str(), o);
+                        }
+                    }
+                    affected.extend(world.update_routes(kind, &touched, &self.metrics));
+                }
+                Change::NoCrd(kind) => {
+                    let i = kind as usize;
+                    if !std::mem::replace(&mut no_crd_logged[i], true) {
+                        tracing::warn!(
+                            "the {} CRD ({GATEWAY_GROUP}/v1) is not installed: no routes from Kubernetes until it is \
+                             (install the Gateway API CRDs; `tether install` says how)",
+                            kind.as_str()
+                        );
+                    }
+                    synced[3 + i] = true;
                 }
             }
             for key in affected {
