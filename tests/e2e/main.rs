@@ -25,6 +25,7 @@ mod outage;
 mod protocols;
 mod registry;
 mod retries;
+mod routes;
 mod routes_api;
 mod stat;
 mod tap;

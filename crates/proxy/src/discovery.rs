@@ -293,6 +293,9 @@ impl Default for DiscoverySettings {
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// How often to re-ask for the policy of a service the control plane has
+/// none for (it may appear; each ask is one call per followed authority).
+const NO_POLICY_RETRY: Duration = Duration::from_secs(10);
 /// How often to re-ask about an authority the control plane called invalid.
 const INVALID_RETRY: Duration = Duration::from_secs(30);
 
@@ -368,6 +371,45 @@ impl Discovery {
                 attempt += 1;
                 tokio::select! {
                     _ = tokio::time::sleep(jittered(BACKOFF_MAX, rand::random())) => {}
+                    _ = stop.triggered() => return,
+                }
+            }
+        });
+    }
+
+    /// Follows `authority`'s outbound policy (`OutboundPolicies.Watch`)
+    /// into `tx`, until `stop`. A policy that cannot be understood is
+    /// refused with a log line and the last good one stays in force; a
+    /// control plane without policies for it (`NotFound`, `Unimplemented`)
+    /// or none reachable before any policy arrived settles the state to
+    /// "no policy", so requests take the default path instead of waiting.
+    pub fn watch_policy(&self, authority: &str, tx: watch::Sender<PolicyState>, stop: Shutdown) {
+        let (controls, metrics, authority) = (
+            self.controls.clone(),
+            self.metrics.clone(),
+            authority.to_string(),
+        );
+        let first_answer_timeout = self.first_answer_timeout;
+        tokio::spawn(async move {
+            let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
+            let mut attempt = 0usize;
+            loop {
+                let followed = follow_policy(
+                    &authority,
+                    &controls,
+                    attempt,
+                    &tx,
+                    &metrics,
+                    first_answer_timeout,
+                    &mut backoff,
+                );
+                let pause = tokio::select! {
+                    pause = followed => pause,
+                    _ = stop.triggered() => return,
+                };
+                attempt += 1;
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
                     _ = stop.triggered() => return,
                 }
             }
@@ -641,6 +683,134 @@ async fn follow(
                 }
             }
             Err(status) => return failed(addr, status),
+        }
+    }
+}
+
+/// What is known about a service's outbound policy.
+#[derive(Clone, Debug, Default)]
+pub enum PolicyState {
+    /// No answer yet.
+    #[default]
+    Pending,
+    /// The policy in force; `None`: none (the default path).
+    Settled(Option<Arc<crate::policy::ClientPolicy>>),
+}
+
+/// Follows one `OutboundPolicies.Watch` stream until it ends; says how long
+/// to pause before the next.
+async fn follow_policy(
+    authority: &str,
+    controls: &ControlPlanes,
+    attempt: usize,
+    tx: &watch::Sender<PolicyState>,
+    metrics: &crate::metrics::ProxyMetrics,
+    first_answer_timeout: Duration,
+    backoff: &mut Backoff,
+) -> Duration {
+    use linkerd2_proxy_api::outbound::{
+        outbound_policies_client::OutboundPoliciesClient, traffic_spec, TrafficSpec,
+    };
+    // Before any policy arrived, a failure means "no policy": requests go
+    // the default way rather than wait. After, the last good one stays.
+    let settle_none = || {
+        tx.send_if_modified(|s| {
+            matches!(s, PolicyState::Pending)
+                .then(|| *s = PolicyState::Settled(None))
+                .is_some()
+        });
+    };
+    let picked = match controls.pick_one(attempt).await {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::debug!(%authority, error = %e, "outbound policy: no control plane");
+            settle_none();
+            return backoff.next_pause(rand::random());
+        }
+    };
+    let addr = picked.addr;
+    let mut client =
+        OutboundPoliciesClient::new(picked.channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let spec = TrafficSpec {
+        source_workload: String::new(),
+        target: Some(traffic_spec::Target::Authority(authority.to_string())),
+    };
+    let first = async {
+        let mut stream = client.watch(spec).await?.into_inner();
+        let first = stream.message().await?;
+        Ok::<_, tonic::Status>((stream, first))
+    };
+    let answer = if picked.of > 1 {
+        tokio::time::timeout(first_answer_timeout, first)
+            .await
+            .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("no first answer")))
+    } else {
+        first.await
+    };
+    let (mut stream, first) = match answer {
+        Ok((stream, Some(first))) => (stream, first),
+        Ok((_, None)) => return jittered(BACKOFF_MIN, rand::random()),
+        Err(status)
+            if matches!(
+                status.code(),
+                tonic::Code::NotFound | tonic::Code::Unimplemented | tonic::Code::InvalidArgument
+            ) =>
+        {
+            // The control plane has no policy for this authority (or does
+            // not serve policies): today's behaviour, and ask again later
+            // in case a service or a newer replica appears.
+            tracing::debug!(%authority, control = %addr, code = ?status.code(), "no outbound policy");
+            controls.answered(addr);
+            tx.send_if_modified(|s| {
+                let changed = !matches!(s, PolicyState::Settled(None));
+                *s = PolicyState::Settled(None);
+                changed
+            });
+            backoff.reset();
+            return jittered(
+                if status.code() == tonic::Code::NotFound {
+                    NO_POLICY_RETRY
+                } else {
+                    INVALID_RETRY
+                },
+                rand::random(),
+            );
+        }
+        Err(status) => {
+            tracing::debug!(%authority, control = %addr, error = %bounded(status.message()), "outbound policy stream failed");
+            settle_none();
+            return backoff.next_pause(rand::random());
+        }
+    };
+    controls.answered(addr);
+    backoff.reset();
+    let mut next = Some(first);
+    let mut last_refusal_log: Option<Instant> = None;
+    loop {
+        if let Some(policy) = next.take() {
+            match crate::policy::ClientPolicy::from_api(policy) {
+                Ok(p) => {
+                    tx.send_replace(PolicyState::Settled(Some(Arc::new(p))));
+                }
+                Err(e) => {
+                    metrics.outbound_policy_refused.inc();
+                    settle_none();
+                    // At most one line per 10 s per stream, however fast
+                    // bad policies come.
+                    if last_refusal_log.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                        last_refusal_log = Some(Instant::now());
+                        tracing::warn!(%authority, control = %addr, error = %e, "outbound policy refused; the last good one stays in force");
+                    }
+                }
+            }
+        }
+        match stream.message().await {
+            Ok(Some(p)) => next = Some(p),
+            Ok(None) => return jittered(BACKOFF_MIN, rand::random()),
+            Err(status) => {
+                tracing::debug!(%authority, control = %addr, error = %bounded(status.message()), "outbound policy stream lost");
+                return backoff.next_pause(rand::random());
+            }
         }
     }
 }
@@ -934,5 +1104,180 @@ mod tests {
         assert!(!tx.borrow().exists);
         apply(&tx, vec![no_endpoints(true)], true);
         assert!(tx.borrow().exists && tx.borrow().last_error.is_none());
+    }
+
+    /// A control plane whose `OutboundPolicies.Watch` streams what the test
+    /// sends, or answers `NotFound` when told so.
+    #[derive(Clone)]
+    struct Policies {
+        streams: Arc<Mutex<Vec<tokio::sync::mpsc::Receiver<PolicyItem>>>>,
+    }
+
+    type PolicyItem = Result<linkerd2_proxy_api::outbound::OutboundPolicy, tonic::Status>;
+
+    type PolicyStream = Pin<
+        Box<
+            dyn futures::Stream<
+                    Item = Result<linkerd2_proxy_api::outbound::OutboundPolicy, tonic::Status>,
+                > + Send,
+        >,
+    >;
+
+    #[tonic::async_trait]
+    impl linkerd2_proxy_api::outbound::outbound_policies_server::OutboundPolicies for Policies {
+        type WatchStream = PolicyStream;
+
+        async fn get(
+            &self,
+            _: tonic::Request<linkerd2_proxy_api::outbound::TrafficSpec>,
+        ) -> Result<tonic::Response<linkerd2_proxy_api::outbound::OutboundPolicy>, tonic::Status>
+        {
+            Err(tonic::Status::unimplemented("watch only"))
+        }
+
+        async fn watch(
+            &self,
+            _: tonic::Request<linkerd2_proxy_api::outbound::TrafficSpec>,
+        ) -> Result<tonic::Response<PolicyStream>, tonic::Status> {
+            let next = self.streams.lock().unwrap().pop();
+            match next {
+                Some(rx) => Ok(tonic::Response::new(Box::pin(tokio_stream_from(rx)))),
+                None => Err(tonic::Status::not_found("no such service")),
+            }
+        }
+    }
+
+    fn tokio_stream_from<T: Send + 'static>(
+        rx: tokio::sync::mpsc::Receiver<T>,
+    ) -> impl futures::Stream<Item = T> + Send {
+        futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|t| (t, rx)) })
+    }
+
+    async fn serve_policies(policies: Policies) -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let incoming = futures::stream::unfold(listener, |l| async move {
+            let conn = l.accept().await.map(|(s, _)| s);
+            Some((conn, l))
+        });
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(
+                    linkerd2_proxy_api::outbound::outbound_policies_server::OutboundPoliciesServer::new(
+                        policies,
+                    ),
+                )
+                .serve_with_incoming(incoming),
+        );
+        addr
+    }
+
+    async fn policy_where(
+        rx: &mut watch::Receiver<PolicyState>,
+        what: impl FnMut(&PolicyState) -> bool,
+    ) -> PolicyState {
+        tokio::time::timeout(Duration::from_secs(10), rx.wait_for(what))
+            .await
+            .expect("within 10 s")
+            .unwrap()
+            .clone()
+    }
+
+    fn backends_of(state: &PolicyState) -> Vec<String> {
+        let PolicyState::Settled(Some(p)) = state else {
+            return Vec::new();
+        };
+        p.routes(http::Version::HTTP_11).unwrap()[0].rules[0]
+            .backends
+            .list
+            .iter()
+            .map(|b| b.authority.clone())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_refused_policy_leaves_the_last_good_one_in_force() {
+        use crate::policy::tests::{detect, route, rule};
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let control = serve_policies(Policies {
+            streams: Arc::new(Mutex::new(vec![rx])),
+        })
+        .await;
+        let d = discovery(&[control], DEFAULT_FIRST_ANSWER_TIMEOUT);
+        let (state, mut watched) = watch::channel(PolicyState::Pending);
+        let stop = Shutdown::default();
+        d.watch_policy("web.demo.svc.cluster.local:8080", state, stop.clone());
+
+        let good = detect(vec![route(
+            "split",
+            vec![rule(vec![], &[("Web-V2.demo:8080", 1)])],
+        )]);
+        tx.send(Ok(good)).await.unwrap();
+        let s = policy_where(&mut watched, |s| matches!(s, PolicyState::Settled(Some(_)))).await;
+        assert_eq!(backends_of(&s), ["web-v2.demo:8080"]);
+
+        // An invalid regex: refused, counted, and the last good one stays.
+        let bad = detect(vec![route(
+            "broken",
+            vec![rule(
+                vec![linkerd2_proxy_api::http_route::HttpRouteMatch {
+                    path: Some(linkerd2_proxy_api::http_route::PathMatch {
+                        kind: Some(linkerd2_proxy_api::http_route::path_match::Kind::Regex(
+                            "(".into(),
+                        )),
+                    }),
+                    ..Default::default()
+                }],
+                &[("other.demo:8080", 1)],
+            )],
+        )]);
+        tx.send(Ok(bad)).await.unwrap();
+        let newer = detect(vec![route(
+            "next",
+            vec![rule(vec![], &[("web-v3.demo:8080", 1)])],
+        )]);
+        tx.send(Ok(newer)).await.unwrap();
+        let s = policy_where(&mut watched, |s| backends_of(s) != ["web-v2.demo:8080"]).await;
+        assert_eq!(
+            backends_of(&s),
+            ["web-v3.demo:8080"],
+            "the bad policy was never in force"
+        );
+        assert_eq!(d.metrics.outbound_policy_refused.get(), 1);
+
+        // The stream ends and the service is gone: NotFound means no policy.
+        drop(tx);
+        policy_where(&mut watched, |s| matches!(s, PolicyState::Settled(None))).await;
+        stop.trigger();
+    }
+
+    #[tokio::test]
+    async fn no_policy_and_no_control_plane_settle_at_once() {
+        let control = serve_policies(Policies {
+            streams: Arc::default(),
+        })
+        .await;
+        let d = discovery(&[control], DEFAULT_FIRST_ANSWER_TIMEOUT);
+        let (state, mut watched) = watch::channel(PolicyState::Pending);
+        d.watch_policy(
+            "web.demo.svc.cluster.local:8080",
+            state,
+            Shutdown::default(),
+        );
+        policy_where(&mut watched, |s| matches!(s, PolicyState::Settled(None))).await;
+
+        // Nothing listens: a closed port answers at once.
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let d = discovery(&[closed], DEFAULT_FIRST_ANSWER_TIMEOUT);
+        let (state, mut watched) = watch::channel(PolicyState::Pending);
+        d.watch_policy(
+            "web.demo.svc.cluster.local:8080",
+            state,
+            Shutdown::default(),
+        );
+        policy_where(&mut watched, |s| matches!(s, PolicyState::Settled(None))).await;
     }
 }

@@ -35,6 +35,17 @@ pub enum ProxyError {
     ConnectUnsupported,
     #[error("response timeout after {0:?}")]
     ResponseTimeout(std::time::Duration),
+    #[error("no route of {0} matches the request")]
+    NoRoute(String),
+    #[error("route {route}: {reason}")]
+    Route { route: String, reason: String },
+    /// A route's failure injection.
+    #[error("{message}")]
+    Injected {
+        status: StatusCode,
+        grpc_code: u32,
+        message: String,
+    },
 }
 
 impl ProxyError {
@@ -54,6 +65,9 @@ impl ProxyError {
             }
             ProxyError::ConnectUnsupported => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::ResponseTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::NoRoute(_) => StatusCode::NOT_FOUND,
+            ProxyError::Route { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            ProxyError::Injected { status, .. } => *status,
         }
     }
 
@@ -65,7 +79,10 @@ impl ProxyError {
             | ProxyError::RequestBody(_) => 3, // INVALID_ARGUMENT
             ProxyError::ConnectUnsupported => 12, // UNIMPLEMENTED
             ProxyError::ResponseTimeout(_) => 4,  // DEADLINE_EXCEEDED
-            _ => 14,                              // UNAVAILABLE
+            ProxyError::NoRoute(_) => 12,         // UNIMPLEMENTED, as gRPC reads a 404
+            ProxyError::Route { .. } => 13,       // INTERNAL
+            ProxyError::Injected { grpc_code, .. } => *grpc_code,
+            _ => 14, // UNAVAILABLE
         }
     }
 }

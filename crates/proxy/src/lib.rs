@@ -62,6 +62,7 @@ pub mod inbound;
 pub mod intercept;
 pub mod metrics;
 pub mod outbound;
+pub mod policy;
 pub mod retry;
 pub mod serve;
 pub mod sidecar;

@@ -12,6 +12,9 @@ use prometheus_client::registry::Registry;
 pub struct RequestLabels {
     pub direction: String,
     pub authority: String,
+    /// The route of the service's outbound policy the request took; empty
+    /// without one (inbound, or a service without a policy).
+    pub route: String,
     pub status_class: String,
     /// Whether the hop between proxies was (m)TLS.
     pub tls: String,
@@ -51,6 +54,7 @@ pub struct Hop {
 pub struct RouteLabels {
     pub direction: String,
     pub authority: String,
+    pub route: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -93,7 +97,11 @@ pub struct ProxyMetrics {
     pub discovery_evictions: Family<ReasonLabels, Counter>,
     pub retries: Family<RetryLabels, Counter>,
     pub tap: crate::tap::Tap,
+    pub outbound_policy_refused: Counter,
 }
+
+/// Every class [`crate::classify`] gives, so a route's series can be removed.
+const CLASSES: [&str; 7] = ["1xx", "2xx", "3xx", "4xx", "5xx", "grpc_error", "error"];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RetryLabels {
@@ -121,6 +129,7 @@ impl Default for ProxyMetrics {
             discovery_evictions: Family::default(),
             retries: Family::default(),
             tap: crate::tap::Tap::default(),
+            outbound_policy_refused: Counter::default(),
         }
     }
 }
@@ -183,6 +192,11 @@ impl ProxyMetrics {
             self.retries.clone(),
         );
         registry.register(
+            "tether_proxy_outbound_policy_refused",
+            "Outbound policies the proxy could not understand and refused (the last good one stayed in force)",
+            self.outbound_policy_refused.clone(),
+        );
+        registry.register(
             "tether_proxy_discovery_reconnects",
             "Discovery streams re-established, by reason (error, ended, stalled, silent, message_too_large)",
             self.discovery_reconnects.clone(),
@@ -212,6 +226,27 @@ impl ProxyMetrics {
                 outcome: outcome.into(),
             })
             .inc();
+    }
+
+    /// Removes the route series of a service no longer followed.
+    pub fn forget_routes<'a>(&self, authority: &str, routes: impl Iterator<Item = &'a str>) {
+        for route in routes {
+            self.latency.remove(&RouteLabels {
+                direction: "outbound".into(),
+                authority: authority.into(),
+                route: route.into(),
+            });
+            for (class, tls) in CLASSES.iter().flat_map(|c| [(c, "true"), (c, "false")]) {
+                self.requests.remove(&RequestLabels {
+                    direction: "outbound".into(),
+                    authority: authority.into(),
+                    route: route.into(),
+                    status_class: (*class).into(),
+                    tls: tls.into(),
+                    client_id: String::new(),
+                });
+            }
+        }
     }
 
     pub fn discovery_reconnect(&self, reason: &str) {
@@ -271,28 +306,47 @@ impl ProxyMetrics {
         hop: Hop,
         tapped: Option<crate::tap::TapRequest>,
     ) -> http::Response<crate::http::Body> {
+        self.record_routed_response(rsp, direction, authority, "", latency, hop, tapped)
+    }
+
+    /// [`Self::record_tapped_response`] for a request that took `route`
+    /// of its service's outbound policy.
+    #[allow(clippy::too_many_arguments)]
+    pub fn record_routed_response(
+        &self,
+        rsp: http::Response<crate::http::Body>,
+        direction: &'static str,
+        authority: String,
+        route: &str,
+        latency: std::time::Duration,
+        hop: Hop,
+        tapped: Option<crate::tap::TapRequest>,
+    ) -> http::Response<crate::http::Body> {
         let tap_end =
             tapped.and_then(|t| t.respond(&self.tap, direction, &authority, rsp.status(), &hop));
         self.latency
             .get_or_create(&RouteLabels {
                 direction: direction.into(),
                 authority: authority.clone(),
+                route: route.into(),
             })
             .observe(latency.as_secs_f64());
         let metrics = self.clone();
+        let route = route.to_string();
         crate::classify::classify(rsp, move |class| {
-            metrics.count(direction, &authority, class, &hop);
+            metrics.count(direction, &authority, &route, class, &hop);
             if let Some(end) = tap_end {
                 end.finish(class);
             }
         })
     }
 
-    fn count(&self, direction: &str, authority: &str, class: &str, hop: &Hop) {
+    fn count(&self, direction: &str, authority: &str, route: &str, class: &str, hop: &Hop) {
         self.requests
             .get_or_create(&RequestLabels {
                 direction: direction.into(),
                 authority: authority.into(),
+                route: route.into(),
                 status_class: class.into(),
                 tls: hop.tls.to_string(),
                 client_id: hop.client_id.as_deref().unwrap_or("").into(),

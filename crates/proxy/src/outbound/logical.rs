@@ -10,10 +10,13 @@ use http_body_util::BodyExt;
 use hyper::body::{Body as _, Incoming};
 use tokio::sync::{oneshot, watch};
 
+use super::route::{RetryPlan, RouteTarget};
 use super::service::effective_timeout;
 use super::Outbound;
 use crate::errors::ProxyError;
-use crate::http::{error_response, is_grpc, request_authority, Body};
+use crate::http::{
+    error_response, is_grpc, request_authority, Body, LEGACY_ORIG_PROTO, ORIG_PROTO,
+};
 use crate::metrics::Hop;
 
 /// Adds the default port and lowercases, so `Web.demo` and `web.demo:80`
@@ -45,20 +48,53 @@ impl Outbound {
             );
         }
         let absolute = req.uri().scheme().is_some();
-        let authority = match pinned
+        let orig_authority = pinned
             .map(str::to_string)
-            .or_else(|| request_authority(&req))
-        {
-            Some(a) => normalize(&a),
+            .or_else(|| request_authority(&req));
+        let authority = match &orig_authority {
+            Some(a) => normalize(a),
             None => Err(ProxyError::NoAuthority),
         };
+        let orig_authority = orig_authority.unwrap_or_default();
+        let mut route_label = None;
         let (label, result) = match authority {
             Ok(authority) => {
                 let svc = self.service(&authority);
-                let profile = svc.response_timeout();
                 let (req, sent) = notify_when_sent(req);
-                let routed = self.route(svc, &authority, req, absolute);
-                let result = self.within_response_timeout(routed, profile, sent).await;
+                let policy = svc.policy(self.failfast_timeout).await;
+                let routes = match &policy {
+                    Ok(p) => Ok(p.as_deref().and_then(|p| p.routes(route_version(&req)))),
+                    Err(e) => Err(e.clone()),
+                };
+                let result = match routes {
+                    Err(e) => Err(e),
+                    // No policy (yet), or not HTTP: the default path.
+                    Ok(None) => {
+                        let profile = svc.response_timeout();
+                        let plan = RetryPlan {
+                            budget: svc.retry_budget(),
+                            route: None,
+                        };
+                        let routed = self.route(svc.clone(), &authority, req, absolute, plan);
+                        self.within_response_timeout(routed, profile, sent).await
+                    }
+                    Ok(Some(routes)) => {
+                        let host = authority.rsplit_once(':').map_or(&*authority, |(h, _)| h);
+                        match crate::policy::select(routes, &req, host) {
+                            None => Err(ProxyError::NoRoute(authority.clone())),
+                            Some(selected) => {
+                                route_label = Some(svc.route_label(&selected.route.name));
+                                let target = RouteTarget {
+                                    logical: &svc,
+                                    authority: &authority,
+                                    orig_authority: &orig_authority,
+                                };
+                                self.follow_route(target, selected, req, sent, absolute)
+                                    .await
+                            }
+                        }
+                    }
+                };
                 (authority, result)
             }
             Err(e) => ("".to_string(), Err(e)),
@@ -70,8 +106,16 @@ impl Outbound {
         if let Some(upgrade) = upgrade {
             upgrade.splice(&mut rsp);
         }
-        self.metrics
-            .record_tapped_response(rsp, "outbound", label, start.elapsed(), hop, tapped)
+        let route = route_label.as_deref().unwrap_or("");
+        self.metrics.record_routed_response(
+            rsp,
+            "outbound",
+            label,
+            route,
+            start.elapsed(),
+            hop,
+            tapped,
+        )
     }
 
     /// Bounds the time to response headers by the service's timeout,
@@ -79,7 +123,7 @@ impl Outbound {
     /// client stream takes what it takes) — re-read when the profile
     /// arrives after the request started. A response body that streams
     /// afterwards is never cut.
-    async fn within_response_timeout<F>(
+    pub(super) async fn within_response_timeout<F>(
         &self,
         routed: F,
         mut profile: watch::Receiver<Option<Duration>>,
@@ -107,6 +151,19 @@ impl Outbound {
                 _ = &mut sent, if sent_at.is_none() => sent_at = Some(Instant::now()),
             }
         }
+    }
+}
+
+/// The HTTP version whose routes apply: a request carried over HTTP/2 from
+/// another proxy (a gateway's case) was HTTP/1 at its origin.
+fn route_version<B>(req: &Request<B>) -> http::Version {
+    let marked = [ORIG_PROTO, LEGACY_ORIG_PROTO]
+        .iter()
+        .any(|m| req.headers().contains_key(*m));
+    if req.version() == http::Version::HTTP_2 && !marked {
+        http::Version::HTTP_2
+    } else {
+        http::Version::HTTP_11
     }
 }
 

@@ -1,13 +1,16 @@
-//! Step 2, the route layer: the service's ready endpoints (or, when the
-//! control plane cannot route, the original destination), the retry policy
-//! and budget, keeping the body of a retryable request, and waiting for
-//! discovery to offer new endpoints when every one failed.
+//! Step 2, the route layer: the route the service's outbound policy chose
+//! for the request (its filters, a backend by weight, its timeouts and
+//! retries); then the backend's ready endpoints (or, when the control plane
+//! cannot route, the original destination), the retry policy and budget,
+//! keeping the body of a retryable request, and waiting for discovery to
+//! offer new endpoints when every one failed.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{Request, Response, Version};
 use http_body_util::BodyExt;
+use tokio::sync::{oneshot, watch};
 
 use super::endpoint::Attempts;
 use super::forward::Unavailable;
@@ -17,6 +20,8 @@ use crate::balance::EndpointHandle;
 use crate::errors::ProxyError;
 use crate::http::{strip_hop_by_hop, strip_mesh_asserted, take_orig_proto, Body};
 use crate::metrics::Hop;
+use crate::policy::{Filter, HeaderModifier, Selected};
+use crate::retry::RetryBudget;
 
 /// Retries (after a request was sent) per request, whatever the budget.
 const MAX_RETRIES: usize = 3;
@@ -49,17 +54,43 @@ fn head_for_mesh(parts: &mut http::request::Parts) -> Version {
     version
 }
 
+/// How a request's attempts may be retried: the logical service's budget
+/// (every retry counts against it, whichever backend it goes to) and the
+/// route's retry policy, if any.
+pub(super) struct RetryPlan<'a> {
+    pub budget: Arc<RetryBudget>,
+    pub route: Option<&'a crate::policy::Retry>,
+}
+
+/// The logical service a routed request was addressed to.
+pub(super) struct RouteTarget<'a> {
+    pub logical: &'a Arc<Service>,
+    /// Its normalised authority.
+    pub authority: &'a str,
+    /// The authority as the request named it (for redirects).
+    pub orig_authority: &'a str,
+}
+
 /// The body of a retryable request, read and kept so it can be sent again;
-/// any other body, as it is, to be sent once.
+/// any other body, as it is, to be sent once. A route's retry policy makes
+/// any method retryable, with its own body limit.
 async fn keep_if_retryable(
     parts: &http::request::Parts,
     body: Body,
+    route: Option<&crate::policy::Retry>,
 ) -> Result<(Option<Bytes>, Option<Body>), ProxyError> {
-    let retryable = crate::retry::is_retryable(&parts.method, &parts.headers)
+    let (method_ok, limit) = match route {
+        Some(r) => (true, u64::from(r.max_request_bytes)),
+        None => (
+            crate::retry::is_retryable(&parts.method, &parts.headers),
+            crate::retry::MAX_BODY,
+        ),
+    };
+    let retryable = method_ok
         && (hyper::body::Body::is_end_stream(&body)
             || hyper::body::Body::size_hint(&body)
                 .exact()
-                .is_some_and(|n| n <= crate::retry::MAX_BODY));
+                .is_some_and(|n| n <= limit));
     if !retryable {
         return Ok((None, Some(body)));
     }
@@ -91,12 +122,88 @@ impl Outbound {
             .map(|(rsp, _)| (rsp, Hop::default()))
     }
 
+    /// A request through the route `selected`: its filters (request
+    /// headers, redirect, failure injection; response headers on the way
+    /// back), one backend by weight, the rule's timeouts and retries.
+    pub(super) async fn follow_route(
+        &self,
+        target: RouteTarget<'_>,
+        selected: Selected<'_>,
+        req: Request<Body>,
+        sent: oneshot::Receiver<()>,
+        absolute: bool,
+    ) -> Result<(Response<Body>, Hop), ProxyError> {
+        let Selected {
+            route,
+            rule,
+            prefix,
+        } = selected;
+        let (mut parts, body) = req.into_parts();
+        let mut on_response = Vec::new();
+        let filtered = |filters, parts: &mut _, on_response: &mut Vec<_>| {
+            apply_filters(
+                filters,
+                parts,
+                on_response,
+                &route.name,
+                target.orig_authority,
+                prefix,
+            )
+        };
+        if let Some(rsp) = filtered(&rule.filters, &mut parts, &mut on_response)? {
+            return Ok((rsp, Hop::default()));
+        }
+        let backend = rule
+            .backends
+            .pick(|authority| !self.service(authority).balancer.endpoints().is_empty())
+            .ok_or_else(|| ProxyError::Route {
+                route: crate::policy::shown_name(&route.name).to_string(),
+                reason: "no backend to send to".into(),
+            })?;
+        if let Some(rsp) = filtered(&backend.filters, &mut parts, &mut on_response)? {
+            return Ok((rsp, Hop::default()));
+        }
+        let svc = if backend.authority == target.authority {
+            target.logical.clone()
+        } else {
+            self.service(&backend.authority)
+        };
+        let plan = RetryPlan {
+            budget: target.logical.retry_budget(),
+            route: rule.retry.as_ref(),
+        };
+        let routed = self.route(
+            svc,
+            target.authority,
+            Request::from_parts(parts, body),
+            absolute,
+            plan,
+        );
+        // The route's timeout is the service's one source of truth while a
+        // policy is in force (the default route carries the profile's).
+        let response_timeout = watch::channel(rule.timeouts.response).1;
+        let bounded = self.within_response_timeout(routed, response_timeout, sent);
+        let result = match super::service::effective_timeout(rule.timeouts.request, None) {
+            Some(limit) => tokio::time::timeout(limit, bounded)
+                .await
+                .unwrap_or(Err(ProxyError::ResponseTimeout(limit))),
+            None => bounded.await,
+        };
+        result.map(|(mut rsp, hop)| {
+            for m in on_response {
+                m.apply(rsp.headers_mut());
+            }
+            (rsp, hop)
+        })
+    }
+
     pub(super) async fn route(
         &self,
         svc: Arc<Service>,
         authority: &str,
         req: Request<Body>,
         absolute: bool,
+        plan: RetryPlan<'_>,
     ) -> Result<(Response<Body>, Hop), ProxyError> {
         let endpoints = match svc.ready_endpoints(self.failfast_timeout).await {
             Ok(eps) => eps,
@@ -109,9 +216,13 @@ impl Outbound {
         };
         let (mut parts, body) = req.into_parts();
         let version = head_for_mesh(&mut parts);
-        let budget = svc.retry_budget();
+        let RetryPlan {
+            budget,
+            route: route_retry,
+        } = plan;
         budget.deposit();
-        let (kept, mut body) = keep_if_retryable(&parts, body).await?;
+        let (kept, mut body) = keep_if_retryable(&parts, body, route_retry).await?;
+        let max_retries = route_retry.map_or(MAX_RETRIES, |r| r.max_retries as usize);
         let mut ctx = Attempts {
             svc: &svc,
             endpoints,
@@ -126,9 +237,13 @@ impl Outbound {
                 (None, Some(b)) => b,
                 (None, None) => unreachable!("a request that cannot be retried is sent once"),
             };
-            let attempt = self
-                .attempt(&mut ctx, clone_parts(&parts), attempt_body)
-                .await;
+            let attempt = self.attempt(&mut ctx, clone_parts(&parts), attempt_body);
+            let attempt = match route_retry.and_then(|r| r.timeout) {
+                Some(limit) => tokio::time::timeout(limit, attempt)
+                    .await
+                    .unwrap_or(Err(ProxyError::ResponseTimeout(limit))),
+                None => attempt.await,
+            };
             let failed_before_app = match &attempt {
                 Ok((rsp, _)) => {
                     matches!(rsp.status().as_u16(), 502 | 503)
@@ -137,7 +252,15 @@ impl Outbound {
                 Err(ProxyError::Connect { .. } | ProxyError::Upstream { .. }) => true,
                 Err(_) => false,
             };
-            if !failed_before_app || kept.is_none() || retries == MAX_RETRIES {
+            // The route's conditions: the app's answer, or an attempt that
+            // outlived the route's per-try timeout.
+            let route_condition = !failed_before_app
+                && match (&attempt, route_retry) {
+                    (Ok((rsp, _)), Some(r)) => r.on_response(rsp),
+                    (Err(ProxyError::ResponseTimeout(_)), Some(_)) => true,
+                    _ => false,
+                };
+            if !(failed_before_app || route_condition) || kept.is_none() || retries == max_retries {
                 return attempt;
             }
             retries += 1;
@@ -145,7 +268,19 @@ impl Outbound {
                 self.metrics.retry(authority, "budget_exhausted");
                 return attempt;
             }
-            if !ctx.untried_left() {
+            if route_condition {
+                // The endpoints work (the app answered): they may be tried
+                // again.
+                if !ctx.untried_left() {
+                    ctx.tried.clear();
+                }
+                drop(attempt);
+                let pause =
+                    route_retry.map_or(std::time::Duration::ZERO, |r| r.pause(retries as u32));
+                if !pause.is_zero() {
+                    tokio::time::sleep(pause).await;
+                }
+            } else if !ctx.untried_left() {
                 // Every endpoint failed: wait (bounded) for discovery to
                 // offer others — e.g. another cluster taking over.
                 match self.new_endpoints(&svc, &ctx.tried).await {
@@ -181,4 +316,52 @@ impl Outbound {
             }
         }
     }
+}
+
+/// Applies `filters` to a request's head, in order; response header
+/// modifiers are kept in `on_response` for the answer. A redirect or a
+/// failure that fires is the answer itself.
+fn apply_filters<'f>(
+    filters: &'f [Filter],
+    parts: &mut http::request::Parts,
+    on_response: &mut Vec<&'f HeaderModifier>,
+    route: &str,
+    orig_authority: &str,
+    prefix: Option<&str>,
+) -> Result<Option<Response<Body>>, ProxyError> {
+    for filter in filters {
+        match filter {
+            Filter::RequestHeaders(m) => m.apply(&mut parts.headers),
+            Filter::ResponseHeaders(m) => on_response.push(m),
+            Filter::Fail(f) => {
+                if f.fires() {
+                    return Err(ProxyError::Injected {
+                        status: f.status,
+                        grpc_code: f.grpc_code.unwrap_or(2),
+                        message: f.message.clone(),
+                    });
+                }
+            }
+            Filter::Redirect(r) => {
+                let scheme = parts.uri.scheme_str().unwrap_or("http");
+                let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+                let location =
+                    r.location(scheme, orig_authority, pq, prefix)
+                        .map_err(|reason| ProxyError::Route {
+                            route: route.to_string(),
+                            reason,
+                        })?;
+                let mut rsp = Response::new(crate::http::full(Bytes::new()));
+                *rsp.status_mut() = r.status;
+                let location =
+                    http::HeaderValue::from_str(&location).map_err(|_| ProxyError::Route {
+                        route: route.to_string(),
+                        reason: "the redirect's location is not a valid header value".into(),
+                    })?;
+                rsp.headers_mut().insert(http::header::LOCATION, location);
+                return Ok(Some(rsp));
+            }
+        }
+    }
+    Ok(None)
 }

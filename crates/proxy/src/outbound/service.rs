@@ -3,7 +3,7 @@
 //! waiting for it to have an endpoint; and [`ServiceCache`], the services a
 //! proxy follows, bounded in number.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -11,13 +11,15 @@ use tether_admin::Shutdown;
 use tokio::sync::{watch, Semaphore};
 
 use crate::balance::{Balancer, EndpointHandle};
-use crate::discovery::{Discovery, Stall, StreamError};
+use crate::discovery::{Discovery, PolicyState, Stall, StreamError};
 use crate::errors::ProxyError;
 use crate::metrics::{AuthorityLabels, ProxyMetrics, ReasonLabels};
 use crate::tls::Connector;
 
 /// Services unused this long are forgotten (and their discovery stream ended).
 pub const IDLE_SERVICE: Duration = Duration::from_secs(300);
+/// Route names one service labels metrics with; more share `other`.
+const MAX_ROUTE_LABELS: usize = 100;
 /// Authorities a proxy follows at once by default
 /// (`--max-discovery-subscriptions`).
 pub const DEFAULT_MAX_SERVICES: usize = 1_000;
@@ -37,6 +39,10 @@ pub struct Service {
     stop: Shutdown,
     /// Set for a service the proxy will not follow: every request gets it.
     refused: Option<ProxyError>,
+    /// The outbound policy (routes) as it arrives.
+    policy: watch::Receiver<PolicyState>,
+    /// Route names used as metric labels, removed with the service.
+    route_labels: Mutex<HashSet<Arc<str>>>,
 }
 
 impl Drop for Service {
@@ -67,6 +73,9 @@ impl Service {
         );
         let budget = Arc::new(crate::retry::RetryBudget::new(retry_budget));
         let response_timeout = watch::Sender::new(None);
+        let policy = watch::Sender::new(PolicyState::Pending);
+        let policy_rx = policy.subscribe();
+        discovery.watch_policy(authority, policy, stop.clone());
         discovery.watch_profile(
             authority,
             budget.clone(),
@@ -85,6 +94,8 @@ impl Service {
             stall,
             stop,
             refused: None,
+            policy: policy_rx,
+            route_labels: Mutex::default(),
         }
     }
 
@@ -103,6 +114,8 @@ impl Service {
             stall: Stall::default(),
             stop: Shutdown::default(),
             refused: Some(error),
+            policy: watch::channel(PolicyState::Settled(None)).1,
+            route_labels: Mutex::default(),
         }
     }
 
@@ -119,6 +132,64 @@ impl Service {
     /// request started); see [`effective_timeout`].
     pub fn response_timeout(&self) -> watch::Receiver<Option<Duration>> {
         self.response_timeout.subscribe()
+    }
+
+    /// The outbound policy in force, waiting for the first answer at most
+    /// as long as a request waits today for discovery: until discovery has
+    /// answered (or failed, or the service is in fail-fast), bounded by
+    /// `wait`, in the service's bounded wait queue. `Ok(None)`: no policy,
+    /// the default path.
+    pub async fn policy(
+        &self,
+        wait: Duration,
+    ) -> Result<Option<Arc<crate::policy::ClientPolicy>>, ProxyError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut policy = self.policy.clone();
+        let mut resolution = self.balancer.watch();
+        let mut failfast = self.failfast.clone();
+        let mut permit = None;
+        loop {
+            if let PolicyState::Settled(p) = &*policy.borrow_and_update() {
+                return Ok(p.clone());
+            }
+            let discovered = {
+                let r = resolution.borrow_and_update();
+                r.answered || r.last_error.is_some()
+            };
+            if discovered || *failfast.borrow_and_update() {
+                return Ok(None);
+            }
+            if permit.is_none() {
+                permit = Some(
+                    self.queue
+                        .try_acquire()
+                        .map_err(|_| ProxyError::QueueFull {
+                            authority: self.authority.to_string(),
+                        })?,
+                );
+            }
+            tokio::select! {
+                changed = policy.changed() => if changed.is_err() { return Ok(None) },
+                changed = resolution.changed() => if changed.is_err() { return Ok(None) },
+                changed = failfast.changed() => if changed.is_err() { return Ok(None) },
+                _ = tokio::time::sleep_until(deadline) => return Ok(None),
+            }
+        }
+    }
+
+    /// The metric label for route `name` (bounded per service).
+    pub fn route_label(&self, name: &Arc<str>) -> Arc<str> {
+        let mut labels = self.route_labels.lock().unwrap();
+        if labels.contains(name) {
+            return name.clone();
+        }
+        if labels.len() >= MAX_ROUTE_LABELS {
+            let other: Arc<str> = "other".into();
+            labels.insert(other.clone());
+            return other;
+        }
+        labels.insert(name.clone());
+        name.clone()
     }
 
     /// Tells discovery that every endpoint it gave is failing.
@@ -245,8 +316,9 @@ impl ServiceCache {
                 metrics.refuse_outbound("discovery_subscription_limit");
                 return Err(ProxyError::DiscoveryLimit { limit: self.limit });
             };
-            services.remove(&victim);
-            forget(&victim, "lru", metrics);
+            if let Some(svc) = services.remove(&victim) {
+                forget(&victim, &svc, "lru", metrics);
+            }
         }
         let svc = Arc::new(make());
         services.insert(authority.to_string(), svc.clone());
@@ -270,7 +342,7 @@ impl ServiceCache {
                 None
             };
             if let Some(reason) = drop {
-                forget(authority, reason, metrics);
+                forget(authority, s, reason, metrics);
                 return false;
             }
             let labels = AuthorityLabels {
@@ -302,7 +374,9 @@ impl ServiceCache {
 }
 
 /// Removes what the metrics say about a service no longer followed.
-fn forget(authority: &str, reason: &str, metrics: &ProxyMetrics) {
+fn forget(authority: &str, svc: &Service, reason: &str, metrics: &ProxyMetrics) {
+    let routes = std::mem::take(&mut *svc.route_labels.lock().unwrap());
+    metrics.forget_routes(authority, routes.iter().map(|r| &**r));
     let labels = AuthorityLabels {
         authority: authority.to_string(),
     };
