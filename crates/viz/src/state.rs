@@ -250,3 +250,59 @@ mod tests {
         assert!(err.contains("tether up"), "{err}");
     }
 }
+
+#[cfg(test)]
+mod deploy_tests {
+    //! The Prometheus and Grafana files in deploy/ use only metric names
+    //! Tether exports (docs/metrics.md lists every one).
+
+    const METRICS_DOC: &str = include_str!("../../../docs/metrics.md");
+    const GRAFANA: &str = include_str!("../../../deploy/grafana/tether-dashboard.json");
+    const PROMETHEUS: &str = include_str!("../../../deploy/prometheus/prometheus.yml");
+
+    fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+        let mut names = std::collections::BTreeSet::new();
+        let mut rest = text;
+        while let Some(i) = rest.find("tether_") {
+            let name: String = rest[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            rest = &rest[i + name.len()..];
+            names.insert(name);
+        }
+        names
+    }
+
+    #[test]
+    fn grafana_uses_documented_metrics() {
+        let dashboard: serde_json::Value = serde_json::from_str(GRAFANA).unwrap();
+        assert!(dashboard["panels"].as_array().unwrap().len() > 10);
+        let documented = metric_names(METRICS_DOC);
+        let used = metric_names(GRAFANA);
+        assert!(used.len() > 15, "{used:?}");
+        for name in used {
+            let base = ["_bucket", "_total"].iter().fold(name.clone(), |n, s| {
+                n.strip_suffix(s).map_or(n.clone(), str::to_string)
+            });
+            assert!(
+                documented.contains(&name)
+                    || documented.contains(&base)
+                    || documented.contains(&format!("{base}_total")),
+                "{name} is not in docs/metrics.md"
+            );
+        }
+    }
+
+    #[test]
+    fn prometheus_config_labels_what_stat_groups_by() {
+        for needed in [
+            "tether-up.targets.json",
+            "target_label: workload",
+            "target_label: namespace",
+            "target_label: cluster",
+        ] {
+            assert!(PROMETHEUS.contains(needed), "{needed}");
+        }
+    }
+}
