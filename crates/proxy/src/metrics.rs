@@ -374,3 +374,54 @@ impl Drop for ConnectionGuard {
         self.0.dec();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    fn text(metrics: &ProxyMetrics) -> String {
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    }
+
+    #[tokio::test]
+    async fn a_services_route_series_go_with_it() {
+        let metrics = ProxyMetrics::default();
+        for (authority, route) in [("web:80", "canary"), ("api:80", "canary")] {
+            let rsp = http::Response::new(crate::http::full("ok"));
+            let hop = Hop {
+                tls: true,
+                ..Hop::default()
+            };
+            let rsp = metrics.record_routed_response(
+                rsp,
+                "outbound",
+                authority.into(),
+                route,
+                std::time::Duration::from_millis(1),
+                hop,
+                None,
+            );
+            rsp.into_body().collect().await.unwrap();
+        }
+        let before = text(&metrics);
+        assert!(
+            before.contains(r#"authority="web:80",route="canary",status_class="2xx""#),
+            "{before}"
+        );
+        metrics.forget_routes("web:80", ["canary"].into_iter());
+        let after = text(&metrics);
+        assert!(
+            !after.contains(r#"authority="web:80",route="canary""#),
+            "{after}"
+        );
+        assert!(
+            after.contains(r#"authority="api:80",route="canary",status_class="2xx""#),
+            "{after}"
+        );
+    }
+}
