@@ -140,8 +140,7 @@ fn route_of(kind: RouteKind, o: &DynamicObject) -> Result<Option<Route>, String>
     fields.insert("parentRefs".into(), parents.into());
     fields.insert("name".into(), o.name_any().into());
     fields.insert("namespace".into(), o.namespace().unwrap_or_default().into());
-    let serde_yaml::Value::Mapping(map) =
-        serde_yaml::to_value(&spec).map_err(bounded_message)?
+    let serde_yaml::Value::Mapping(map) = serde_yaml::to_value(&spec).map_err(bounded_message)?
     else {
         return Err("spec is not a mapping".into());
     };
