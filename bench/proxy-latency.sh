@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# Demo app direct vs through outbound + inbound proxies, in one run.
-# Extra arguments go to the harness: --rate R --seconds S --concurrency C
+# Proxy cost: a backend direct, through an HAProxy pair (the peer to beat),
+# through a Tether pair in plaintext and over mTLS, interleaved in one run;
+# prints Tether/HAProxy ratios with PASS/FAIL against issue 14's goals.
+# Installs haproxy (and nginx-light, the backend) with apt-get when missing.
+# Extra arguments go to the harness: --rates R1,R2 --seconds S --reps N
+#   --concurrency C --proxy-arg ARG (repeatable, for every Tether proxy)
+#   --compare-threads N (an extra mTLS pair with --threads N; repeatable)
+#   --compare BINARY (an extra mTLS pair of another tether build, e.g. before a change)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p tether -p tether-bench

@@ -1,19 +1,34 @@
-//! Proxy latency benchmark: the demo app called directly, through an
-//! outbound and an inbound proxy in plaintext, and through the same pair
-//! over mutual TLS, measured side by side in one run.
+//! Proxy cost benchmark: one backend (nginx, or the demo app when nginx is
+//! missing) called directly, through a pair of HAProxy instances (HTTP
+//! mode, one thread, keep-alive to the next hop: the peer to beat), through
+//! a pair of Tether proxies in plaintext and through a pair over mutual
+//! TLS, measured side by side in one run, in interleaved repetitions so a
+//! burst of load from other processes lands on every path alike.
 //!
-//! 1. Open loop at a fixed rate (latency from the intended send time, so
-//!    coordinated omission is corrected): p50/p99/p99.9, added latency and
-//!    ratios.
-//! 2. Closed loop at full speed: maximum throughput and its ratio.
-//! 3. The two proxies' peak RSS and CPU seconds per 1,000 requests.
+//! Per repetition, for every path in turn:
+//! 1. open loop at each of two rates (latency from the intended send time,
+//!    so coordinated omission is corrected): p50/p99/p99.9, added latency
+//!    against direct, the proxies' CPU seconds per 1,000 requests;
+//! 2. closed loop at full speed: maximum throughput;
+//! 3. the proxies' RSS under load.
 //!
-//! Usage: bench/proxy-latency.sh [--rate R] [--seconds S] [--concurrency C]
+//! The medians over the repetitions are printed, then every figure as a
+//! Tether/HAProxy ratio with PASS/FAIL against issue 14's goals, and the
+//! time from `tether proxy` start to `/ready` 200 with its certificate.
+//!
+//! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
+//!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]
+//!
+//! `--compare-threads N` adds an mTLS pair run with `--threads N`;
+//! `--compare BINARY` adds an mTLS pair of another build (say, before a
+//! change), so a change's effect is a ratio from one run.
 
 #![forbid(unsafe_code)]
 
-use std::path::PathBuf;
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tether_core::registry::{Document, EndpointSpec, EndpointsDoc, PortSpec, ServiceDoc};
@@ -22,41 +37,101 @@ use tether_mesh_up::up::write_document;
 
 struct Args {
     tether: PathBuf,
-    rate: f64,
+    rates: Vec<f64>,
     seconds: f64,
+    reps: usize,
     concurrency: usize,
+    /// Extra arguments for every Tether proxy (e.g. `--threads 2`).
+    proxy_args: Vec<String>,
+    /// Another `tether` binary (e.g. before a change) run as an extra mTLS pair.
+    compare: Option<PathBuf>,
+    /// Worker counts run as extra mTLS pairs (`--threads N`).
+    compare_threads: Vec<String>,
+}
+
+/// One pair of Tether proxies to measure.
+struct Variant {
+    name: String,
+    binary: PathBuf,
+    tls: bool,
+    proxy_args: Vec<String>,
+}
+
+fn variants(args: &Args) -> Vec<Variant> {
+    let v = |name: &str, binary: &Path, tls: bool, extra: &[String]| Variant {
+        name: name.to_string(),
+        binary: binary.to_path_buf(),
+        tls,
+        proxy_args: args.proxy_args.iter().chain(extra).cloned().collect(),
+    };
+    let mut out = vec![
+        v("tether", &args.tether, false, &[]),
+        v("tether+mTLS", &args.tether, true, &[]),
+    ];
+    for n in &args.compare_threads {
+        out.push(v(
+            &format!("mTLS,{n}thr"),
+            &args.tether,
+            true,
+            &["--threads".into(), n.clone()],
+        ));
+    }
+    if let Some(before) = &args.compare {
+        out.push(v("before+mTLS", before, true, &[]));
+    }
+    out
 }
 
 fn parse_args() -> anyhow::Result<Args> {
     let mut args = Args {
         tether: PathBuf::from("target/release/tether"),
-        rate: 1000.0,
-        seconds: 10.0,
+        rates: vec![1000.0, 5000.0],
+        seconds: 5.0,
+        reps: 3,
         concurrency: 32,
+        proxy_args: Vec::new(),
+        compare: None,
+        compare_threads: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--tether" => args.tether = value.into(),
-            "--rate" => args.rate = value.parse().context("--rate")?,
+            "--rate" | "--rates" => {
+                args.rates = value
+                    .split(',')
+                    .map(|r| r.trim().parse::<f64>())
+                    .collect::<Result<_, _>>()
+                    .context("--rates: comma-separated requests per second")?
+            }
             "--seconds" => args.seconds = value.parse().context("--seconds")?,
+            "--reps" => args.reps = value.parse().context("--reps")?,
             "--concurrency" => args.concurrency = value.parse().context("--concurrency")?,
+            "--proxy-arg" => args.proxy_args.push(value),
+            "--compare" => args.compare = Some(value.into()),
+            "--compare-threads" => args.compare_threads.push(value),
             other => bail!("unknown flag {other}"),
         }
     }
     if !(args.seconds > 0.0 && args.seconds <= 300.0) {
         bail!("--seconds must be in (0, 300]");
     }
+    if args.rates.is_empty() || args.rates.iter().any(|r| *r <= 0.0) {
+        bail!("--rates must be positive");
+    }
+    if !(1..=20).contains(&args.reps) {
+        bail!("--reps must be in 1..=20");
+    }
     Ok(args)
 }
 
-/// One way to reach the app: a name, where to connect, the authority.
+/// One way to reach the backend: a name, where to connect, the authority.
 struct Route {
-    name: &'static str,
-    connect: std::net::SocketAddr,
+    name: String,
+    connect: SocketAddr,
     authority: String,
-    /// The proxies on this route, for CPU and memory.
+    /// The proxies on this route (client side first), for CPU and memory.
     pids: Vec<u32>,
 }
 
@@ -66,12 +141,11 @@ fn load(
     rate: Option<f64>,
     seconds: f64,
 ) -> anyhow::Result<serde_json::Value> {
-    let connect = route.connect;
     let mut cmd = std::process::Command::new(&args.tether);
     cmd.args([
         "load",
         "--connect",
-        &connect.to_string(),
+        &route.connect.to_string(),
         "--authority",
         &route.authority,
         "--duration",
@@ -92,8 +166,8 @@ fn load(
     let report: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     if report["failed"].as_u64().unwrap_or(0) > 0 {
         eprintln!(
-            "warning: {} requests failed: {}",
-            report["failed"], report["errors"]
+            "warning: {}: {} requests failed: {}",
+            route.name, report["failed"], report["errors"]
         );
     }
     Ok(report)
@@ -101,6 +175,163 @@ fn load(
 
 fn f(v: &serde_json::Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or(f64::NAN)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| !x.is_nan());
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// What one open-loop run at one rate measured on one route.
+#[derive(Clone, Copy, Default)]
+struct Fixed {
+    p: [f64; 3],
+    cpu_per_k: f64,
+}
+
+/// Every repetition's figures for one route.
+#[derive(Default)]
+struct Samples {
+    /// Per rate, per repetition.
+    fixed: Vec<Vec<Fixed>>,
+    max_rps: Vec<f64>,
+    max_cpu_per_k: Vec<f64>,
+    /// Per proxy (client, server): RSS at the end of the full-speed run.
+    rss_mib: Vec<Vec<f64>>,
+}
+
+/// The medians over repetitions.
+struct Summary {
+    /// Per rate: p50/p99/p99.9 and CPU-s per 1k requests.
+    fixed: Vec<Fixed>,
+    max_rps: f64,
+    max_cpu_per_k: f64,
+    /// Largest RSS of the route's proxies (median over repetitions).
+    rss_mib: f64,
+    peak_rss_mib: f64,
+}
+
+impl Samples {
+    fn summary(&self, pids: &[u32]) -> Summary {
+        let fixed = self
+            .fixed
+            .iter()
+            .map(|reps| Fixed {
+                p: [0, 1, 2].map(|i| median(reps.iter().map(|r| r.p[i]).collect())),
+                cpu_per_k: median(reps.iter().map(|r| r.cpu_per_k).collect()),
+            })
+            .collect();
+        Summary {
+            fixed,
+            max_rps: median(self.max_rps.clone()),
+            max_cpu_per_k: median(self.max_cpu_per_k.clone()),
+            rss_mib: median(
+                self.rss_mib
+                    .iter()
+                    .map(|r| r.iter().copied().fold(f64::NAN, f64::max))
+                    .collect(),
+            ),
+            peak_rss_mib: pids
+                .iter()
+                .map(|p| tether_bench::proc_usage(*p).peak_rss_kib as f64 / 1024.0)
+                .fold(f64::NAN, f64::max),
+        }
+    }
+}
+
+/// Runs `program` with `args`, killed when the bench ends; its output goes to `log`.
+fn spawn_peer(program: &str, args: &[&str], log: &Path) -> anyhow::Result<tokio::process::Child> {
+    let log = std::fs::File::create(log)?;
+    tokio::process::Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {program}"))
+}
+
+/// Installs a Debian package when `program` is missing.
+fn ensure_installed(program: &str, package: &str) -> anyhow::Result<()> {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
+        .unwrap_or(false)
+        || Path::new("/usr/sbin").join(program).is_file();
+    if found {
+        return Ok(());
+    }
+    eprintln!("{program} is missing: apt-get install -y {package}");
+    let ok = std::process::Command::new("sh")
+        .args([
+            "-c",
+            &format!("apt-get update -q >/dev/null && apt-get install -y -q {package} >/dev/null"),
+        ])
+        .status()?
+        .success();
+    anyhow::ensure!(ok, "could not install {package}");
+    Ok(())
+}
+
+/// Waits until `addr` accepts a request that gets an answer.
+async fn wait_http(addr: SocketAddr, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok((status, _)) = tether_mesh_up::stats::http_get(addr, "/").await {
+            if status < 500 {
+                return Ok(());
+            }
+        }
+        if Instant::now() >= deadline {
+            bail!("{addr} did not answer within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// HAProxy in HTTP mode with one thread, forwarding to `next` over
+/// keep-alive connections (reused across client connections).
+fn haproxy_config(listen: SocketAddr, next: SocketAddr) -> String {
+    format!(
+        "global\n  nbthread 1\n  maxconn 20000\n\
+         defaults\n  mode http\n  option http-keep-alive\n  http-reuse always\n  \
+         timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n\
+         frontend in\n  bind {listen}\n  default_backend next\n\
+         backend next\n  server next {next}\n"
+    )
+}
+
+/// nginx with one worker answering every request with a small body.
+fn nginx_config(dir: &Path, listen: SocketAddr) -> String {
+    let d = dir.display();
+    format!(
+        "worker_processes 1;\nuser root;\npid {d}/nginx.pid;\nerror_log {d}/nginx-error.log;\n\
+         events {{ worker_connections 4096; }}\n\
+         http {{\n  access_log off;\n  keepalive_requests 1000000;\n  keepalive_timeout 60s;\n\
+         client_body_temp_path {d}/nginx-body;\n  proxy_temp_path {d}/nginx-proxy;\n\
+         fastcgi_temp_path {d}/nginx-fastcgi;\n  uwsgi_temp_path {d}/nginx-uwsgi;\n\
+         scgi_temp_path {d}/nginx-scgi;\n\
+         server {{\n    listen {listen};\n    location / {{ return 200 \"hello from nginx\\n\"; }}\n  }}\n}}\n"
+    )
+}
+
+/// The machine's load average, for the record.
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 #[tokio::main]
@@ -112,25 +343,64 @@ async fn main() -> anyhow::Result<()> {
     let log = |n: &str| dir.join(format!("{n}.log"));
     let s = |v: &str| v.to_string();
     let any = "127.0.0.1:0";
+    ensure_installed("haproxy", "haproxy")?;
+    let with_nginx = ensure_installed("nginx", "nginx-light").is_ok();
+    let ports = tether_bench::reserve_ports(3)?;
+
+    // The backend every route ends at.
+    let mut _peers = Vec::new();
+    let mut _app = None;
+    let backend = if with_nginx {
+        let conf = dir.join("nginx.conf");
+        std::fs::write(&conf, nginx_config(&dir, ports[0]))?;
+        let conf = conf.display().to_string();
+        _peers.push(spawn_peer(
+            "nginx",
+            &["-c", &conf, "-g", "daemon off;"],
+            &log("nginx"),
+        )?);
+        ports[0]
+    } else {
+        let app = Process::spawn(
+            &args.tether,
+            "app",
+            &[s("demo-app"), s("--listen"), s(any)],
+            &log("app"),
+            &["http"],
+        )
+        .await?;
+        let addr = app.addr("http");
+        _app = Some(app);
+        addr
+    };
+    wait_http(backend, Duration::from_secs(10)).await?;
+    let backend_name = if with_nginx {
+        "nginx (1 worker)"
+    } else {
+        "tether demo-app"
+    };
+
+    // The HAProxy pair: client side → server side → backend.
+    let mut haproxy_pids = Vec::new();
+    for (name, listen, next) in [
+        ("haproxy-server", ports[2], backend),
+        ("haproxy-client", ports[1], ports[2]),
+    ] {
+        let conf = dir.join(format!("{name}.cfg"));
+        std::fs::write(&conf, haproxy_config(listen, next))?;
+        let child = spawn_peer(
+            "haproxy",
+            &["-db", "-f", &conf.display().to_string()],
+            &log(name),
+        )?;
+        haproxy_pids.insert(0, child.id().unwrap_or(0));
+        _peers.push(child);
+        wait_http(listen, Duration::from_secs(10)).await?;
+    }
 
     let ca = dir.join("identity");
     tether_identity::ca::init(&tether_identity::ca::InitOptions::new(&ca, "cluster.local"))?;
     let tokens = tether_identity::token::LocalTokens::load(&ca)?;
-    for name in ["web", "web-tls"] {
-        write_document(
-            &registry,
-            &format!("{name}.yaml"),
-            &Document::Service(ServiceDoc::new(name, "bench", vec![PortSpec::http(8080)])),
-        )?;
-    }
-    let app = Process::spawn(
-        &args.tether,
-        "app",
-        &[s("demo-app"), s("--listen"), s(any)],
-        &log("app"),
-        &["http"],
-    )
-    .await?;
     let control = Process::spawn(
         &args.tether,
         "control",
@@ -144,116 +414,116 @@ async fn main() -> anyhow::Result<()> {
             s(any),
             s("--identity"),
             ca.display().to_string(),
-            // The plaintext mesh's proxies have no identity to do TLS with.
+            // The plaintext pair's proxies have no identity to do TLS with.
             s("--insecure-control-plane"),
         ],
         &log("control"),
         &["grpc", "admin"],
     )
     .await?;
-    let proxy = |app: Option<std::net::SocketAddr>,
-                 identity: Option<&str>|
-     -> anyhow::Result<Vec<String>> {
-        let mut a = vec![
-            s("proxy"),
-            s("--control"),
-            control.addr("grpc").to_string(),
-            s("--outbound"),
-            s(any),
-            s("--inbound"),
-            s(any),
-            s("--admin"),
-            s(any),
-        ];
-        if let Some(app) = app {
-            a.extend([s("--app"), app.to_string()]);
-        }
-        if let Some(id) = identity {
-            let token = dir.join(format!("{id}.token"));
-            std::fs::write(&token, tokens.issue(id))?;
-            a.extend([
-                s("--identity"),
-                s(id),
-                s("--identity-token-file"),
-                token.display().to_string(),
-                s("--trust-root"),
-                ca.join("ca.crt").display().to_string(),
-                s("--tls"),
-                s("mandatory"),
-            ]);
-        }
-        Ok(a)
-    };
-    let server_id = tether_identity::identity_name("web", "bench", "cluster.local");
-    let client_id = tether_identity::identity_name("client", "bench", "cluster.local");
-    let app_addr = Some(app.addr("http"));
-    let spawn = |name: &'static str, argv: Vec<String>, expect: &'static [&'static str]| {
-        let log = log(name);
-        let tether = args.tether.clone();
-        let mut argv = argv;
-        tether_mesh_up::process::plaintext_control_plane_without_identity(&mut argv);
-        async move { Process::spawn(&tether, name, &argv, &log, expect).await }
-    };
-    let server = spawn("server", proxy(app_addr, None)?, &["inbound", "admin"]).await?;
-    let client = spawn("client", proxy(None, None)?, &["outbound", "admin"]).await?;
-    let server_tls = spawn(
-        "server-tls",
-        proxy(app_addr, Some(&server_id))?,
-        &["inbound", "admin"],
-    )
-    .await?;
-    let client_tls = spawn(
-        "client-tls",
-        proxy(None, Some(&client_id))?,
-        &["outbound", "admin"],
-    )
-    .await?;
-    for (file, service, proxy, identity) in [
-        ("web-0.yaml", "web", &server, None),
-        (
-            "web-tls-0.yaml",
-            "web-tls",
-            &server_tls,
-            Some(server_id.clone()),
-        ),
-    ] {
-        write_document(
-            &registry,
-            file,
-            &Document::Endpoints(EndpointsDoc {
-                service: s(service),
-                namespace: s("bench"),
-                endpoints: vec![EndpointSpec {
-                    identity,
-                    ..EndpointSpec::new(proxy.addr("inbound"))
-                }],
-            }),
-        )?;
-    }
-    for p in [&server_tls, &client_tls] {
-        tether_bench::wait_ready(p.addr("admin"), Duration::from_secs(10)).await?;
-    }
-    let pid = |p: &Process| p.pid().unwrap_or(0);
-    let routes = [
+    let mut routes = vec![
         Route {
-            name: "direct",
-            connect: app.addr("http"),
+            name: s("direct"),
+            connect: backend,
             authority: s("web.bench.svc.cluster.local:8080"),
             pids: vec![],
         },
         Route {
-            name: "mesh",
-            connect: client.addr("outbound"),
+            name: s("haproxy"),
+            connect: ports[1],
             authority: s("web.bench.svc.cluster.local:8080"),
-            pids: vec![pid(&client), pid(&server)],
-        },
-        Route {
-            name: "mesh+mTLS",
-            connect: client_tls.addr("outbound"),
-            authority: s("web-tls.bench.svc.cluster.local:8080"),
-            pids: vec![pid(&client_tls), pid(&server_tls)],
+            pids: haproxy_pids,
         },
     ];
+    let mut tether_pairs = Vec::new();
+    let mut start_up = Vec::new();
+    for (i, variant) in variants(&args).iter().enumerate() {
+        let service = format!("web-{i}");
+        write_document(
+            &registry,
+            &format!("{service}.yaml"),
+            &Document::Service(ServiceDoc::new(
+                &service,
+                "bench",
+                vec![PortSpec::http(8080)],
+            )),
+        )?;
+        let server_id = tether_identity::identity_name(&service, "bench", "cluster.local");
+        let client_id =
+            tether_identity::identity_name(&format!("client-{i}"), "bench", "cluster.local");
+        let proxy = |app: Option<SocketAddr>, identity: &str| -> anyhow::Result<Vec<String>> {
+            let mut a = vec![
+                s("proxy"),
+                s("--control"),
+                control.addr("grpc").to_string(),
+                s("--outbound"),
+                s(any),
+                s("--inbound"),
+                s(any),
+                s("--admin"),
+                s(any),
+            ];
+            a.extend(variant.proxy_args.iter().cloned());
+            if let Some(app) = app {
+                a.extend([s("--app"), app.to_string()]);
+            }
+            if variant.tls {
+                let token = dir.join(format!("{identity}.token"));
+                std::fs::write(&token, tokens.issue(identity))?;
+                a.extend([
+                    s("--identity"),
+                    s(identity),
+                    s("--identity-token-file"),
+                    token.display().to_string(),
+                    s("--trust-root"),
+                    ca.join("ca.crt").display().to_string(),
+                    s("--tls"),
+                    s("mandatory"),
+                ]);
+            }
+            Ok(a)
+        };
+        // Start-up: from spawn to `/ready` 200 (with a certificate: Certify done).
+        let mut pair = Vec::new();
+        for (role, argv, expect) in [
+            (
+                "server",
+                proxy(Some(backend), &server_id)?,
+                &["inbound", "admin"],
+            ),
+            ("client", proxy(None, &client_id)?, &["outbound", "admin"]),
+        ] {
+            let name = format!("{role}-{i}");
+            let mut argv = argv;
+            tether_mesh_up::process::plaintext_control_plane_without_identity(&mut argv);
+            let started = Instant::now();
+            let p = Process::spawn(&variant.binary, &name, &argv, &log(&name), expect).await?;
+            wait_ready_fine(p.addr("admin")).await?;
+            if variant.tls {
+                start_up.push((format!("{} {role}", variant.name), started.elapsed()));
+            }
+            pair.push(p);
+        }
+        write_document(
+            &registry,
+            &format!("{service}-0.yaml"),
+            &Document::Endpoints(EndpointsDoc {
+                service: service.clone(),
+                namespace: s("bench"),
+                endpoints: vec![EndpointSpec {
+                    identity: variant.tls.then(|| server_id.clone()),
+                    ..EndpointSpec::new(pair[0].addr("inbound"))
+                }],
+            }),
+        )?;
+        routes.push(Route {
+            name: variant.name.clone(),
+            connect: pair[1].addr("outbound"),
+            authority: format!("{service}.bench.svc.cluster.local:8080"),
+            pids: vec![pair[1].pid().unwrap_or(0), pair[0].pid().unwrap_or(0)],
+        });
+        tether_pairs.push(pair);
+    }
     // Warm up every path (connections, discovery, handshakes).
     for r in &routes {
         load(&args, r, Some(200.0), 1.0)?;
@@ -264,102 +534,220 @@ async fn main() -> anyhow::Result<()> {
             .map(|p| tether_bench::proc_usage(*p).cpu_seconds)
             .sum::<f64>()
     };
+    let per_k = |cpu: f64, rep: &serde_json::Value| {
+        cpu / rep["sent"].as_f64().unwrap_or(1.0).max(1.0) * 1000.0
+    };
 
     println!(
-        "proxy latency benchmark: {} req/s open loop for {}s, concurrency {}",
-        args.rate, args.seconds, args.concurrency
-    );
-    let mut fixed = Vec::new();
-    for r in &routes {
-        let before = cpu(r);
-        let report = load(&args, r, Some(args.rate), args.seconds)?;
-        fixed.push((report, cpu(r) - before));
-    }
-    println!(
-        "\nlatency from the intended send time (includes the sender's ~1 ms timer granularity; corrects coordinated omission):"
-    );
-    table(&routes, &fixed, ["p50_ms", "p99_ms", "p999_ms"]);
-    println!("\nlatency from the actual send (the network path alone):");
-    table(
-        &routes,
-        &fixed,
-        ["service_p50_ms", "service_p99_ms", "service_p999_ms"],
-    );
-
-    let max_secs = (args.seconds / 2.0).max(2.0);
-    println!(
-        "\nmax throughput (closed loop, concurrency {}, {max_secs}s):",
-        args.concurrency
-    );
-    let mut direct_max = f64::NAN;
-    for (r, (fixed_report, fixed_cpu)) in routes.iter().zip(&fixed) {
-        let before = cpu(r);
-        let report = load(&args, r, None, max_secs)?;
-        let max_cpu = cpu(r) - before;
-        let rps = f(&report, "rps");
-        if r.name == "direct" {
-            direct_max = rps;
+        "proxy cost benchmark: backend {backend_name}; open loop at {:?} req/s for {}s, closed loop for {}s, \
+         concurrency {}, {} interleaved repetitions; Tether proxies {}",
+        args.rates,
+        args.seconds,
+        max_secs(&args),
+        args.concurrency,
+        args.reps,
+        if args.proxy_args.is_empty() {
+            "with default flags".to_string()
+        } else {
+            args.proxy_args.join(" ")
         }
-        print!(
-            "  {:<10} {:>9.0} req/s  ratio to direct {:>5.2}",
-            r.name,
-            rps,
-            rps / direct_max
+    );
+    println!(
+        "{} cores, load average at start {}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        loadavg()
+    );
+    let mut samples: Vec<Samples> = routes
+        .iter()
+        .map(|_| Samples {
+            fixed: vec![Vec::new(); args.rates.len()],
+            ..Samples::default()
+        })
+        .collect();
+    for rep in 0..args.reps {
+        eprintln!(
+            "repetition {} of {} (load {})",
+            rep + 1,
+            args.reps,
+            loadavg()
         );
-        if !r.pids.is_empty() {
-            let per_k = |cpu: f64, rep: &serde_json::Value| {
-                cpu / rep["sent"].as_f64().unwrap_or(1.0).max(1.0) * 1000.0
-            };
-            let rss: Vec<String> = r
-                .pids
-                .iter()
-                .map(|p| {
-                    format!(
-                        "{:.1}",
-                        tether_bench::proc_usage(*p).peak_rss_kib as f64 / 1024.0
-                    )
-                })
-                .collect();
-            print!(
-                "   proxies: {:.3} CPU-s/1k req at fixed rate, {:.3} at max; peak RSS (client, server) {} MiB",
-                per_k(*fixed_cpu, fixed_report),
-                per_k(max_cpu, &report),
-                rss.join(", ")
+        for (ri, &rate) in args.rates.iter().enumerate() {
+            for (r, sample) in routes.iter().zip(&mut samples) {
+                let before = cpu(r);
+                let report = load(&args, r, Some(rate), args.seconds)?;
+                sample.fixed[ri].push(Fixed {
+                    p: [
+                        f(&report, "p50_ms"),
+                        f(&report, "p99_ms"),
+                        f(&report, "p999_ms"),
+                    ],
+                    cpu_per_k: per_k(cpu(r) - before, &report),
+                });
+            }
+        }
+        for (r, sample) in routes.iter().zip(&mut samples) {
+            let before = cpu(r);
+            let report = load(&args, r, None, max_secs(&args))?;
+            sample.max_rps.push(f(&report, "rps"));
+            sample.max_cpu_per_k.push(per_k(cpu(r) - before, &report));
+            sample.rss_mib.push(
+                r.pids
+                    .iter()
+                    .map(|p| tether_bench::proc_usage(*p).rss_kib as f64 / 1024.0)
+                    .collect(),
             );
         }
-        println!();
+    }
+    println!("load average at end {}", loadavg());
+    let sums: Vec<Summary> = routes
+        .iter()
+        .zip(&samples)
+        .map(|(r, s)| s.summary(&r.pids))
+        .collect();
+    report(&args, &routes, &sums);
+    println!("\nstart-up, from spawn to /ready 200 with a certificate (Certify included):");
+    for (name, took) in &start_up {
+        println!("  {name:<24} {:>6.0} ms", took.as_secs_f64() * 1000.0);
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 
-fn table(routes: &[Route], reports: &[(serde_json::Value, f64)], keys: [&str; 3]) {
-    println!(
-        "{:<10} {:>10} {:>10} {:>10} {:>10} {:>8}",
-        "", "p50 ms", "p99 ms", "p99.9 ms", "rps", "failed"
-    );
-    for (r, (rep, _)) in routes.iter().zip(reports) {
-        println!(
-            "{:<10} {:>10.3} {:>10.3} {:>10.3} {:>10.1} {:>8}",
-            r.name,
-            f(rep, keys[0]),
-            f(rep, keys[1]),
-            f(rep, keys[2]),
-            f(rep, "rps"),
-            rep["failed"]
-        );
+fn max_secs(args: &Args) -> f64 {
+    (args.seconds / 2.0).max(2.0)
+}
+
+/// Polls `/ready` every 5 ms (the shared helper's 50 ms would hide start-up time).
+async fn wait_ready_fine(admin: SocketAddr) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok((200, _)) = tether_mesh_up::stats::http_get(admin, "/ready").await {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("{admin} was not ready within 20 s");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let direct = &reports[0].0;
-    for (r, (rep, _)) in routes.iter().zip(reports).skip(1) {
-        for (q, key) in ["p50", "p99", "p99.9"].into_iter().zip(keys) {
-            println!(
-                "  {:<10} added {q:<5} {:>8.3} ms   ratio to direct {:>6.2}x",
-                r.name,
-                f(rep, key) - f(direct, key),
-                f(rep, key) / f(direct, key)
+}
+
+fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
+    let direct = &sums[0];
+    for (ri, rate) in args.rates.iter().enumerate() {
+        println!(
+            "\n{rate} req/s open loop (ms from the intended send time; medians of {} reps):",
+            args.reps
+        );
+        println!(
+            "  {:<12} {:>8} {:>8} {:>8}   {:>9} {:>9} {:>9}   {:>12}",
+            "", "p50", "p99", "p99.9", "+p50", "+p99", "+p99.9", "CPU-s/1k req"
+        );
+        for (r, s) in routes.iter().zip(sums) {
+            let x = &s.fixed[ri];
+            let d = &direct.fixed[ri];
+            print!(
+                "  {:<12} {:>8.3} {:>8.3} {:>8.3}",
+                r.name, x.p[0], x.p[1], x.p[2]
             );
+            if r.pids.is_empty() {
+                println!();
+            } else {
+                println!(
+                    "   {:>+9.3} {:>+9.3} {:>+9.3}   {:>12.3}",
+                    x.p[0] - d.p[0],
+                    x.p[1] - d.p[1],
+                    x.p[2] - d.p[2],
+                    x.cpu_per_k
+                );
+            }
         }
     }
+    println!(
+        "\nmax throughput (closed loop, concurrency {}) and memory of the pair:",
+        args.concurrency
+    );
+    for (r, s) in routes.iter().zip(sums) {
+        print!(
+            "  {:<12} {:>9.0} req/s  ({:.2} of direct)",
+            r.name,
+            s.max_rps,
+            s.max_rps / direct.max_rps
+        );
+        if !r.pids.is_empty() {
+            print!(
+                "  {:.3} CPU-s/1k req;  RSS under load {:.1} MiB (larger of the two), peak {:.1} MiB",
+                s.max_cpu_per_k, s.rss_mib, s.peak_rss_mib
+            );
+        }
+        println!();
+    }
+
+    let Some(hi) = routes.iter().position(|r| r.name == "haproxy") else {
+        return;
+    };
+    let h = &sums[hi];
+    println!("\nTether / HAProxy (same run; goal in brackets):");
+    for (r, t) in routes.iter().zip(sums).skip(hi + 1) {
+        let mut verdicts = Vec::new();
+        let mut check = |what: String, ratio: f64, pass: bool| {
+            println!(
+                "  {:<12} {what:<44} {ratio:>7.2}  {}",
+                r.name,
+                if pass { "PASS" } else { "FAIL" }
+            );
+            verdicts.push(pass);
+        };
+        for (ri, rate) in args.rates.iter().enumerate() {
+            let ratio = t.fixed[ri].cpu_per_k / h.fixed[ri].cpu_per_k;
+            check(
+                format!("CPU per 1k req at {rate} req/s [≤ 1.0]"),
+                ratio,
+                ratio <= 1.0,
+            );
+        }
+        let ratio = t.max_rps / h.max_rps;
+        check(s_("max throughput [≥ 1.0]"), ratio, ratio >= 1.0);
+        for (ri, rate) in args.rates.iter().enumerate() {
+            let d = &direct.fixed[ri];
+            for (qi, q) in ["p50", "p99", "p99.9"].iter().enumerate() {
+                let added_t = t.fixed[ri].p[qi] - d.p[qi];
+                let added_h = h.fixed[ri].p[qi] - d.p[qi];
+                // Added latency can be ~0 for either; the ratio of tiny
+                // numbers says nothing, so the goal compares the figures.
+                let goal = *q == "p99" && ri + 1 == args.rates.len();
+                let what = format!(
+                    "added {q} at {rate} req/s ({added_t:+.3} vs {added_h:+.3} ms){}",
+                    if goal { " [≤ 1.0]" } else { "" }
+                );
+                let ratio = added_t.max(0.001) / added_h.max(0.001);
+                if goal {
+                    check(what, ratio, added_t <= added_h);
+                } else {
+                    println!("  {:<12} {what:<44} {ratio:>7.2}", r.name);
+                }
+            }
+        }
+        let ratio = t.rss_mib / h.rss_mib;
+        println!(
+            "  {:<12} {:<44} {ratio:>7.2}",
+            r.name,
+            format!("RSS under load ({:.1} vs {:.1} MiB)", t.rss_mib, h.rss_mib)
+        );
+        check(
+            format!(
+                "RSS per proxy under load ≤ 10 MB ({:.1} MB)",
+                t.rss_mib * 1.048_576
+            ),
+            t.rss_mib * 1.048_576 / 10.0,
+            t.rss_mib * 1.048_576 <= 10.0,
+        );
+        let passed = verdicts.iter().filter(|v| **v).count();
+        println!("  {:<12} {passed} of {} goals met", r.name, verdicts.len());
+    }
+}
+
+fn s_(v: &str) -> String {
+    v.to_string()
 }
 
 fn tempfile_dir() -> anyhow::Result<PathBuf> {
