@@ -29,5 +29,6 @@ mod routes;
 mod routes_api;
 mod stat;
 mod tap;
+mod threads;
 mod up;
 mod websocket;

@@ -7,6 +7,7 @@
 //!   `/version`).
 //! - [`Shutdown`]: one signal, fired by SIGTERM/SIGINT, that listeners watch
 //!   so they stop accepting and drain.
+//! - [`threads`]: how many runtime workers a data-path process runs.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -22,6 +23,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use prometheus_client::registry::Registry;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+
+pub mod threads;
 
 /// Prints the line by which scripts and `tether up` learn a listener's
 /// address (ports are often chosen by the OS). Printed to stdout, not logged.

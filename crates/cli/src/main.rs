@@ -69,10 +69,25 @@ fn init_tracing() {
         .init();
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.enable_all();
+    // The data path runs on a sidecar's share of the host, not on every core.
+    let workers = match &cli.command {
+        Command::Proxy(args) => Some(args.worker_threads()),
+        Command::Gateway(args) => Some(args.worker_threads()),
+        _ => None,
+    };
+    if let Some(n) = workers {
+        tracing::info!("data-path runtime: {n} worker threads");
+        runtime.worker_threads(n);
+    }
+    runtime.build()?.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     let shutdown = Shutdown::default();
     shutdown.on_signals();
     match cli.command {

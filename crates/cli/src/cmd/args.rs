@@ -90,6 +90,10 @@ pub struct BootstrapArgs {
     /// allow it too); without it the channel is TLS and needs --identity.
     #[arg(long)]
     pub insecure_control_plane: bool,
+    /// Runtime worker threads (default: the container's CPU quota from
+    /// cgroup v2 cpu.max, rounded up, else 1: a sidecar's share of a host).
+    #[arg(long, env = "TETHER_PROXY_THREADS", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub threads: Option<u64>,
     #[command(flatten)]
     pub serve: ServeArgs,
     /// Serve the tap API (`tether tap`) on this address; off without it.
@@ -107,6 +111,11 @@ pub struct BootstrapArgs {
 }
 
 impl BootstrapArgs {
+    /// Worker threads for this process's runtime (see `--threads`).
+    pub fn worker_threads(&self) -> usize {
+        tether_admin::threads::data_path_worker_threads(self.threads.map(count))
+    }
+
     pub fn into_config(
         self,
         identity: Option<tether_proxy::identity::IdentityConfig>,

@@ -26,6 +26,11 @@ pub struct GatewayArgs {
 }
 
 impl GatewayArgs {
+    /// Worker threads for the runtime (`--threads`, else the CPU quota, else 1).
+    pub fn worker_threads(&self) -> usize {
+        self.bootstrap.worker_threads()
+    }
+
     pub fn into_config(self) -> anyhow::Result<tether_proxy::gateway::GatewayConfig> {
         let identity = self.identity.into_config()?;
         anyhow::ensure!(identity.is_some(), "the gateway needs --identity");

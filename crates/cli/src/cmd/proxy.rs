@@ -74,6 +74,11 @@ pub struct ProxyArgs {
 }
 
 impl ProxyArgs {
+    /// Worker threads for the runtime (`--threads`, else the CPU quota, else 1).
+    pub fn worker_threads(&self) -> usize {
+        self.bootstrap.worker_threads()
+    }
+
     pub fn into_config(self) -> anyhow::Result<tether_proxy::ProxyConfig> {
         anyhow::ensure!(
             self.retry_budget_ratio >= 0.0 && self.retry_budget_min_per_second >= 0.0,
