@@ -17,34 +17,6 @@ load:
     rps: 50
 ";
 
-/// Chromium, installed with apt-get when missing (Debian's `chromium`).
-fn chromium() -> PathBuf {
-    let find = || {
-        ["chromium", "chromium-browser"].iter().find_map(|name| {
-            let out = Command::new("sh")
-                .args(["-c", &format!("command -v {name}")])
-                .output()
-                .ok()?;
-            out.status
-                .success()
-                .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-        })
-    };
-    if let Some(path) = find() {
-        return path;
-    }
-    let install = Command::new("sh")
-        .args(["-c", "apt-get update && apt-get install -y chromium"])
-        .output()
-        .expect("running apt-get");
-    find().unwrap_or_else(|| {
-        panic!(
-            "the dashboard test needs Chromium, and `apt-get install -y chromium` did not provide it:\n{}",
-            String::from_utf8_lossy(&install.stderr)
-        )
-    })
-}
-
 /// GET `path` from the dashboard.
 fn get(addr: &str, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
@@ -74,7 +46,7 @@ fn attr(dom: &str, name: &str) -> u64 {
 
 #[test]
 fn dashboard_renders_and_updates_in_chromium() {
-    let chromium = chromium();
+    let chromium = installed(&["chromium", "chromium-browser"], "chromium");
     let mesh = LocalMesh::start(MANIFEST, &[]);
     let url = mesh
         .state

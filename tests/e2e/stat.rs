@@ -5,6 +5,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
 use crate::support::*;
+use std::net::SocketAddr;
 
 const MANIFEST: &str = "
 services:
@@ -128,4 +129,115 @@ fn stat_names_a_missing_state_file() {
         out.contains("/nonexistent/tether-up.json") && out.contains("tether up"),
         "{out}"
     );
+}
+
+/// An instant query against Prometheus's HTTP API.
+fn promql(addr: SocketAddr, query: &str) -> serde_json::Value {
+    use std::io::{Read, Write};
+    let encoded: String = query
+        .bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET /api/v1/query?query={encoded} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut rsp = String::new();
+    s.read_to_string(&mut rsp).unwrap();
+    let body = rsp.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str(body).unwrap_or(serde_json::Value::Null)
+}
+
+fn scalar(v: &serde_json::Value) -> f64 {
+    v["data"]["result"][0]["value"][1]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(-1.0)
+}
+
+#[test]
+fn stat_asks_a_real_prometheus() {
+    let prometheus = installed(&["prometheus"], "prometheus");
+    let mesh = LocalMesh::start(MANIFEST, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let targets = tether_viz::state::MeshState::targets_path(&mesh.state_path);
+    // The shipped configuration, pointed at this mesh's targets file and
+    // scraping fast enough for a test.
+    let config = include_str!("../../deploy/prometheus/tether-up.yml")
+        .replace("/tmp/tether-up.targets.json", targets.to_str().unwrap())
+        .replace("scrape_interval: 10s", "scrape_interval: 1s")
+        .replace("refresh_interval: 5s", "refresh_interval: 1s");
+    let config_path = dir.path().join("prometheus.yml");
+    std::fs::write(&config_path, config).unwrap();
+    let addr = free_port();
+    let mut server = Command::new(prometheus)
+        .arg(format!("--config.file={}", config_path.display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.path().join("data").display()
+        ))
+        .arg(format!("--web.listen-address={addr}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let wait = |what: &str, check: &dyn Fn() -> bool| {
+        // Bounded by many scrape intervals (1 s) and file_sd refreshes.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !check() {
+            assert!(std::time::Instant::now() < deadline, "Prometheus: {what}");
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    };
+    wait("every proxy scraped", &|| {
+        std::net::TcpStream::connect(addr).is_ok()
+            && scalar(&promql(addr, "sum(up{job=\"tether-proxy\"})")) == 4.0
+    });
+
+    let outbound = mesh.proxy("loadgen").outbound.unwrap();
+    let authority = format!("web.demo.svc.{}:8080", mesh.state.cluster_domain);
+    let load = Command::new(tether())
+        .args([
+            "load",
+            "--connect",
+            &outbound.to_string(),
+            "--authority",
+            &authority,
+        ])
+        .args(["--rate", "200", "--duration", "2", "--concurrency", "16"])
+        .output()
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&load.stdout).unwrap();
+    let sent = report["sent"].as_f64().unwrap();
+    let counted = format!(
+        "sum(tether_proxy_requests_total{{direction=\"outbound\",authority=\"{authority}\"}})"
+    );
+    wait("the whole load scraped", &|| {
+        scalar(&promql(addr, &counted)) == sent
+    });
+
+    let url = format!("http://{addr}");
+    let (ok, out) = run_tether(&["stat", "--prometheus", &url, "--window", "60", "-o", "json"]);
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(ok, "{out}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    let web = rows
+        .iter()
+        .find(|r| r["name"] == authority.as_str())
+        .unwrap_or_else(|| panic!("no row for {authority}: {out}"));
+    // increase() extrapolates at the window's edges: close, not exact.
+    let requests = web["requests"].as_f64().unwrap();
+    assert!(
+        (requests - sent).abs() <= sent * 0.25,
+        "Prometheus {requests}, load {sent}: {web}"
+    );
+    assert_eq!(web["success_rate"], 1.0, "{web}");
+    assert_eq!(web["mtls"], 1.0, "{web}");
+    assert!(web["p99_ms"].as_f64().is_some(), "{web}");
 }

@@ -634,3 +634,36 @@ impl Drop for LocalMesh {
         self.stop();
     }
 }
+
+/// A program the test needs, installed with apt-get (Debian package
+/// `package`) when none of `names` is on the PATH; the test fails naming
+/// it if that does not work.
+pub fn installed(names: &[&str], package: &str) -> PathBuf {
+    let find = || {
+        names.iter().find_map(|name| {
+            let out = std::process::Command::new("sh")
+                .args(["-c", &format!("command -v {name}")])
+                .output()
+                .ok()?;
+            out.status
+                .success()
+                .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+        })
+    };
+    if let Some(path) = find() {
+        return path;
+    }
+    let install = std::process::Command::new("sh")
+        .args([
+            "-c",
+            &format!("apt-get update && apt-get install -y --no-install-recommends {package}"),
+        ])
+        .output()
+        .expect("running apt-get");
+    find().unwrap_or_else(|| {
+        panic!(
+            "this test needs {package}, and `apt-get install -y {package}` did not provide it:\n{}",
+            String::from_utf8_lossy(&install.stderr)
+        )
+    })
+}

@@ -164,7 +164,9 @@ impl Prometheus {
             .into_iter()
             .map(|(name, n)| {
                 let some = n > 0.0;
-                let f = failed.get(&name).copied().unwrap_or(0.0);
+                // Each increase() extrapolates on its own: a part can come
+                // out a little above the whole, a share never may.
+                let f = failed.get(&name).copied().unwrap_or(0.0).min(n);
                 let ms = |i: usize| quantiles[i].get(&name).map(|s| s * 1000.0);
                 Row {
                     requests: n,
@@ -174,7 +176,7 @@ impl Prometheus {
                     p50_ms: ms(0),
                     p95_ms: ms(1),
                     p99_ms: ms(2),
-                    mtls: some.then(|| tls.get(&name).copied().unwrap_or(0.0) / n),
+                    mtls: some.then(|| (tls.get(&name).copied().unwrap_or(0.0) / n).min(1.0)),
                     name,
                 }
             })

@@ -258,7 +258,10 @@ mod deploy_tests {
 
     const METRICS_DOC: &str = include_str!("../../../docs/metrics.md");
     const GRAFANA: &str = include_str!("../../../deploy/grafana/tether-dashboard.json");
-    const PROMETHEUS: &str = include_str!("../../../deploy/prometheus/prometheus.yml");
+    const PROMETHEUS: [&str; 2] = [
+        include_str!("../../../deploy/prometheus/tether-up.yml"),
+        include_str!("../../../deploy/prometheus/kubernetes.yml"),
+    ];
 
     fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
         let mut names = std::collections::BTreeSet::new();
