@@ -299,13 +299,13 @@ mod deploy_tests {
 
     #[test]
     fn prometheus_config_labels_what_stat_groups_by() {
+        assert!(PROMETHEUS[0].contains("tether-up.targets.json"));
         for needed in [
-            "tether-up.targets.json",
             "target_label: workload",
             "target_label: namespace",
             "target_label: cluster",
         ] {
-            assert!(PROMETHEUS.contains(needed), "{needed}");
+            assert!(PROMETHEUS[1].contains(needed), "{needed}");
         }
     }
 }
