@@ -1,7 +1,6 @@
 //! `tether stat` against `tether up`, found through its state file: the
 //! counts match what a load generator sent.
 
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
 use crate::support::*;
@@ -19,24 +18,7 @@ load:
 
 /// Starts `tether stat ARGS -o json` and waits until its window opened.
 fn stat_window(mesh: &LocalMesh, args: &[&str]) -> std::process::Child {
-    let mut child = Command::new(tether())
-        .args([
-            "stat",
-            "--state",
-            mesh.state_path.to_str().unwrap(),
-            "-o",
-            "json",
-        ])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    assert!(line.contains("counting 4 of 4 proxies"), "{line}");
-    child
+    mesh.tool("stat", args, "counting 4 of 4 proxies")
 }
 
 fn rows(child: std::process::Child) -> Vec<serde_json::Value> {
@@ -56,27 +38,10 @@ fn rows(child: std::process::Child) -> Vec<serde_json::Value> {
 #[test]
 fn stat_counts_match_the_load_generator() {
     let mesh = LocalMesh::start(MANIFEST, &[]);
-    let outbound = mesh.proxy("loadgen").outbound.unwrap();
     let by_service = stat_window(&mesh, &["--window", "8"]);
     let by_workload = stat_window(&mesh, &["--window", "8", "--by", "workload"]);
     let authority = format!("web.demo.svc.{}:8080", mesh.state.cluster_domain);
-    let load = Command::new(tether())
-        .args([
-            "load",
-            "--connect",
-            &outbound.to_string(),
-            "--authority",
-            &authority,
-        ])
-        .args(["--rate", "200", "--duration", "2", "--concurrency", "16"])
-        .output()
-        .unwrap();
-    assert!(
-        load.status.success(),
-        "{}",
-        String::from_utf8_lossy(&load.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&load.stdout).unwrap();
+    let report = mesh.load(&authority);
     let sent = report["sent"].as_f64().unwrap();
     assert!(sent > 100.0, "{report}");
     assert_eq!(report["failed"], 0, "{report}");
@@ -199,20 +164,8 @@ fn stat_asks_a_real_prometheus() {
             && scalar(&promql(addr, "sum(up{job=\"tether-proxy\"})")) == 4.0
     });
 
-    let outbound = mesh.proxy("loadgen").outbound.unwrap();
     let authority = format!("web.demo.svc.{}:8080", mesh.state.cluster_domain);
-    let load = Command::new(tether())
-        .args([
-            "load",
-            "--connect",
-            &outbound.to_string(),
-            "--authority",
-            &authority,
-        ])
-        .args(["--rate", "200", "--duration", "2", "--concurrency", "16"])
-        .output()
-        .unwrap();
-    let report: serde_json::Value = serde_json::from_slice(&load.stdout).unwrap();
+    let report = mesh.load(&authority);
     let sent = report["sent"].as_f64().unwrap();
     let counted = format!(
         "sum(tether_proxy_requests_total{{direction=\"outbound\",authority=\"{authority}\"}})"

@@ -611,6 +611,43 @@ impl LocalMesh {
         }
     }
 
+    /// Starts `tether COMMAND --state STATE -o json ARGS` and waits for its
+    /// first line on stderr (which says it has started), checking that the
+    /// line contains `started`.
+    pub fn tool(&self, command: &str, args: &[&str], started: &str) -> std::process::Child {
+        use std::io::BufRead;
+        let state = self.state_path.to_str().unwrap();
+        let mut child = std::process::Command::new(tether())
+            .args([command, "--state", state, "-o", "json"])
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        stderr.read_line(&mut line).unwrap();
+        assert!(line.contains(started), "{line}");
+        child
+    }
+
+    /// `tether load` at 200 requests per second for 2 s to `service` through
+    /// the load generator's proxy: the load generator's report.
+    pub fn load(&self, authority: &str) -> serde_json::Value {
+        let outbound = self.proxy("loadgen").outbound.unwrap().to_string();
+        let load = std::process::Command::new(tether())
+            .args(["load", "--connect", &outbound, "--authority", authority])
+            .args(["--rate", "200", "--duration", "2", "--concurrency", "16"])
+            .output()
+            .unwrap();
+        assert!(
+            load.status.success(),
+            "{}",
+            String::from_utf8_lossy(&load.stderr)
+        );
+        serde_json::from_slice(&load.stdout).unwrap()
+    }
+
     pub fn proxy(&self, workload: &str) -> &tether_viz::state::ProxyState {
         self.state
             .proxies()

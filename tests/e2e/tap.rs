@@ -20,24 +20,7 @@ load:
 
 /// Starts `tether tap ARGS -o json` and waits until every proxy accepted it.
 fn tap(mesh: &LocalMesh, args: &[&str]) -> Child {
-    let mut child = Command::new(tether())
-        .args([
-            "tap",
-            "--state",
-            mesh.state_path.to_str().unwrap(),
-            "-o",
-            "json",
-        ])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    assert!(line.contains("observing"), "{line}");
-    child
+    mesh.tool("tap", args, "observing")
 }
 
 fn lines(child: Child) -> Vec<serde_json::Value> {
