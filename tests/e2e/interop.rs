@@ -162,7 +162,14 @@ async fn http1_only_app() -> SocketAddr {
                         req.uri(),
                         markers.join(",")
                     );
-                    Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from(seen))))
+                    let mut rsp = http::Response::new(Full::new(Bytes::from(seen)));
+                    // linkerd2-proxy's identity header, as an app migrated
+                    // from Linkerd reads it.
+                    if let Some(client_id) = req.headers().get("l5d-client-id") {
+                        rsp.headers_mut()
+                            .insert("seen-l5d-client-id", client_id.clone());
+                    }
+                    Ok::<_, Infallible>(rsp)
                 },
             );
             tokio::spawn(
@@ -297,6 +304,58 @@ async fn markers_an_app_sends_are_never_passed_on() {
         "{answer}"
     );
     assert!(!answer.contains("orig-proto"), "{answer}");
+}
+
+#[tokio::test]
+async fn linkerds_client_id_header_is_never_forged_and_is_set_as_linkerd2_proxy_sets_it() {
+    // An app moved from linkerd2-proxy to Tether still trusts
+    // `l5d-client-id`, which linkerd2-proxy's inbound sets from the
+    // client's certificate and never passes on from a client: a client
+    // naming another identity there must not reach the app with it.
+    let mesh = Mesh::start().await;
+    let app = http1_only_app().await;
+    let server = mesh.proxy("web", Some(app), &[]).await;
+    mesh.service("web", 8080, false, server.addr("inbound"), "web");
+    let web = authority("web", 8080);
+    let forged = id("admin");
+    // A certified peer speaking straight to the inbound (linkerd2-proxy's
+    // way), in both spellings an app may read.
+    let tls = mesh.client_tls("linkerd", &[]).await;
+    let mut h2 = h2_over_tls(server.addr("inbound"), tls, &id("web")).await;
+    for name in ["l5d-client-id", "l5d_client_id"] {
+        let req = http::Request::get(format!("http://{web}/"))
+            .header("l5d-orig-proto", "HTTP/1.1")
+            .header(name, &forged)
+            .body(Empty::new())
+            .unwrap();
+        let rsp = h2.send_request(req).await.unwrap();
+        assert_eq!(rsp.status(), 200, "{name}");
+        assert_eq!(
+            rsp.headers()["seen-l5d-client-id"],
+            id("linkerd").as_str(),
+            "{name}: the app must see the verified identity only"
+        );
+    }
+    // An app sending it to its own Tether outbound.
+    let client = mesh.proxy("client", None, &[]).await;
+    let mut conn = tokio::net::TcpStream::connect(client.addr("outbound"))
+        .await
+        .unwrap();
+    let request = format!(
+        "GET / HTTP/1.1\r\nhost: {web}\r\nl5d-client-id: {forged}\r\nconnection: close\r\n\r\n"
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer))
+        .await
+        .expect("an answer")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer).to_lowercase();
+    assert!(answer.starts_with("http/1.1 200"), "{answer}");
+    assert!(
+        answer.contains(&format!("seen-l5d-client-id: {}\r\n", id("client"))),
+        "{answer}"
+    );
 }
 
 /// A TLS server playing linkerd2-proxy's inbound port: reports each

@@ -31,12 +31,16 @@ pub const LEGACY_ORIG_PROTO: &str = "tether-orig-proto";
 pub const PROXY_ERROR: &str = "tether-proxy-error";
 /// The header carrying the client's verified identity to the app.
 pub const CLIENT_ID: &str = "tether-client-id";
+/// linkerd2-proxy's name for [`CLIENT_ID`], set beside it: an app moved
+/// from Linkerd keeps trusting it, so a client's own value must never
+/// reach an app, as with linkerd2-proxy.
+pub const L5D_CLIENT_ID: &str = "l5d-client-id";
 
 /// Request headers whose value the mesh asserts. A value that arrives from
 /// a client is never passed on, on any side: the inbound sets its own, the
 /// outbound and the gateway drop it (a plaintext endpoint has no proxy to
 /// drop it for them).
-pub const MESH_ASSERTED: &[&str] = &[CLIENT_ID, ORIG_PROTO, LEGACY_ORIG_PROTO];
+pub const MESH_ASSERTED: &[&str] = &[CLIENT_ID, L5D_CLIENT_ID, ORIG_PROTO, LEGACY_ORIG_PROTO];
 
 /// What an [`ORIG_PROTO`] marker says about the request's first hop.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -372,6 +376,8 @@ mod tests {
             "Tether_Client-ID",
             "x-kept",
             "tether_client_idx",
+            "l5d-client-id",
+            "L5D_CLIENT_ID",
         ] {
             h.append(
                 HeaderName::from_bytes(name.as_bytes()).unwrap(),

@@ -8,7 +8,7 @@
 //! protocol inside is detected again. Under mandatory TLS anything else is
 //! refused. HTTP is served and forwarded to the app (HTTP/1 when the peer
 //! marked the request as originally HTTP/1, HTTP/2 otherwise), with the
-//! client's verified identity in `tether-client-id` (a value sent by the
+//! client's verified identity in `tether-client-id` and `l5d-client-id` (a value sent by the
 //! client itself is always removed). Anything that is not HTTP is refused,
 //! unless the app's port is declared opaque (`--inbound-opaque`): then
 //! connections are forwarded byte for byte without detection.
@@ -33,8 +33,8 @@ use crate::errors::ProxyError;
 use crate::http::Proto;
 use crate::http::{
     error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
-    strip_hop_by_hop_response, strip_mesh_asserted, take_orig_proto, Body, CLIENT_ID, ORIG_PROTO,
-    PROXY_ERROR,
+    strip_hop_by_hop_response, strip_mesh_asserted, take_orig_proto, Body, CLIENT_ID,
+    L5D_CLIENT_ID, ORIG_PROTO, PROXY_ERROR,
 };
 use crate::metrics::{Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
@@ -361,7 +361,8 @@ impl Inbound {
             .as_deref()
             .and_then(|id| HeaderValue::from_str(id).ok())
         {
-            parts.headers.insert(CLIENT_ID, id);
+            parts.headers.insert(CLIENT_ID, id.clone());
+            parts.headers.insert(L5D_CLIENT_ID, id);
         }
         let proto = if orig.is_some() || version != Version::HTTP_2 {
             Proto::Http1
