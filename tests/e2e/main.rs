@@ -22,6 +22,7 @@ mod intercept;
 mod interop;
 mod multicluster;
 mod outage;
+mod policy;
 mod protocols;
 mod registry;
 mod retries;

@@ -46,6 +46,12 @@ pub enum ProxyError {
         grpc_code: u32,
         message: String,
     },
+    #[error("unauthorized: {client} may not call {server}/{route}")]
+    Unauthorized {
+        client: String,
+        server: String,
+        route: String,
+    },
 }
 
 impl ProxyError {
@@ -68,6 +74,7 @@ impl ProxyError {
             ProxyError::NoRoute(_) => StatusCode::NOT_FOUND,
             ProxyError::Route { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ProxyError::Injected { status, .. } => *status,
+            ProxyError::Unauthorized { .. } => StatusCode::FORBIDDEN,
         }
     }
 
@@ -82,7 +89,8 @@ impl ProxyError {
             ProxyError::NoRoute(_) => 12,         // UNIMPLEMENTED, as gRPC reads a 404
             ProxyError::Route { .. } => 13,       // INTERNAL
             ProxyError::Injected { grpc_code, .. } => *grpc_code,
-            _ => 14, // UNAVAILABLE
+            ProxyError::Unauthorized { .. } => 7, // PERMISSION_DENIED
+            _ => 14,                              // UNAVAILABLE
         }
     }
 }

@@ -27,6 +27,7 @@ use tether_core::log_limit::LogLimit;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::authz::{InboundPolicy, Verdict};
 use crate::client::EndpointClient;
 use crate::detect::{self, detect, PrefixedIo, Protocol, Unrecognized};
 use crate::errors::ProxyError;
@@ -106,6 +107,8 @@ pub struct InboundConfig {
     /// The app's port is declared opaque: TCP is forwarded as is, without
     /// detection. Otherwise only HTTP is forwarded and the rest refused.
     pub opaque: bool,
+    /// Who may call the app.
+    pub policy: InboundPolicy,
 }
 
 pub struct Inbound {
@@ -118,6 +121,7 @@ pub struct Inbound {
     /// The app's port is declared opaque: TCP is forwarded without
     /// detection; otherwise only HTTP is.
     opaque: bool,
+    policy: InboundPolicy,
 }
 
 impl Inbound {
@@ -148,6 +152,7 @@ impl Inbound {
             tls,
             mode,
             opaque: config.opaque,
+            policy: config.policy.clone(),
         }
     }
 
@@ -245,7 +250,7 @@ impl Inbound {
                     Err(_) => return,
                 }
             };
-            return self.forward_tcp(io, prefix, peer).await;
+            return self.forward_tcp(io, prefix, peer, &hop).await;
         }
         // Inside TLS the client gets the whole time again, after the handshake.
         let left = if hop.tls {
@@ -324,7 +329,7 @@ impl Inbound {
         } else if target.http {
             return self.serve_http(PrefixedIo::new(rest, io), hop, conn).await;
         } else if self.opaque {
-            return self.forward_tcp(io, rest, peer).await;
+            return self.forward_tcp(io, rest, peer, &hop).await;
         } else {
             Refusal::OpaqueUndeclared
         };
@@ -341,6 +346,23 @@ impl Inbound {
             let rsp = error_response(&ProxyError::ConnectUnsupported, grpc);
             return self.metrics.record_response(
                 rsp,
+                "inbound",
+                authority,
+                start.elapsed(),
+                hop.clone(),
+            );
+        }
+        let peer = hop
+            .peer
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+        if let Some(denial) = self.authorize(hop, peer) {
+            let error = ProxyError::Unauthorized {
+                client: denial.client,
+                server: denial.server,
+                route: denial.route,
+            };
+            return self.metrics.record_response(
+                error_response(&error, grpc),
                 "inbound",
                 authority,
                 start.elapsed(),
@@ -426,7 +448,30 @@ impl Inbound {
         )
     }
 
-    async fn forward_tcp(&self, mut client: BoxedIo, prefix: Bytes, peer: SocketAddr) {
+    /// The policy's verdict for the client of `hop`: `Some` denial when it
+    /// is refused (counted), `None` when it may go on (counted under audit).
+    fn authorize(&self, hop: &Hop, peer: SocketAddr) -> Option<crate::authz::Denial> {
+        match self.policy.check(hop.client_id.as_deref(), peer.ip()) {
+            Verdict::Allow => None,
+            Verdict::Audit(denial) => {
+                self.metrics.authz.count(&denial, true);
+                None
+            }
+            Verdict::Deny(denial) => {
+                self.metrics.authz.count(&denial, false);
+                Some(denial)
+            }
+        }
+    }
+
+    async fn forward_tcp(&self, mut client: BoxedIo, prefix: Bytes, peer: SocketAddr, hop: &Hop) {
+        if let Some(denial) = self.authorize(hop, peer) {
+            if let Some(suppressed) = REFUSAL_LOG.allow() {
+                tracing::warn!(%peer, client = %denial.client, server = %denial.server, suppressed, "inbound TCP connection denied by policy");
+            }
+            let _ = client.shutdown().await;
+            return;
+        }
         let mut app = match self.connector.connect(self.app, None).await {
             Ok((s, _)) => s,
             Err(reason) => {

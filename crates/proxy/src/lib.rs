@@ -17,6 +17,7 @@
 //! - [`inbound`]: the inbound listener. [`detect`]s the protocol on the first
 //!   bytes and forwards HTTP to the local app (or, on a port declared
 //!   opaque, TCP without detection); anything else is refused.
+//! - [`authz`]: the inbound authorization policy (default policies, audit).
 //! - [`discovery`]: one `Destination.Get` stream per authority, shared by
 //!   every connection that uses it, reconnecting with backoff across
 //!   control-plane replicas, re-subscribing when a stream stalls.
@@ -47,6 +48,7 @@
 //! - [`tap`]: the tap API, a live and bounded stream of the requests the
 //!   proxy handles (`tether tap`).
 
+pub mod authz;
 pub mod balance;
 pub mod bootstrap;
 pub mod classify;

@@ -98,6 +98,7 @@ pub struct ProxyMetrics {
     pub retries: Family<RetryLabels, Counter>,
     pub tap: crate::tap::Tap,
     pub outbound_policy_refused: Counter,
+    pub authz: crate::authz::AuthzMetrics,
 }
 
 /// Every class [`crate::classify`] gives, so a route's series can be removed.
@@ -130,6 +131,7 @@ impl Default for ProxyMetrics {
             retries: Family::default(),
             tap: crate::tap::Tap::default(),
             outbound_policy_refused: Counter::default(),
+            authz: crate::authz::AuthzMetrics::default(),
         }
     }
 }
@@ -217,6 +219,7 @@ impl ProxyMetrics {
             self.discovery_evictions.clone(),
         );
         self.tap.register(registry);
+        self.authz.register(registry);
     }
 
     pub fn retry(&self, authority: &str, outcome: &str) {

@@ -36,6 +36,19 @@ pub struct ProxyArgs {
     /// Without it the inbound forwards only HTTP and refuses the rest.
     #[arg(long, requires = "app")]
     inbound_opaque: bool,
+    /// Who may call the app: all-unauthenticated, all-authenticated (mTLS
+    /// clients only), cluster-authenticated (mTLS, or plaintext from
+    /// --cluster-networks) or deny. Denied requests get 403, denied TCP
+    /// connections are closed (docs/policy.md).
+    #[arg(long, default_value = "all-unauthenticated")]
+    default_inbound_policy: tether_proxy::authz::DefaultPolicy,
+    /// Let requests the policy would deny through, logging and counting
+    /// them (tether_proxy_inbound_audit_denied_total), for rollouts.
+    #[arg(long)]
+    inbound_policy_audit: bool,
+    /// Networks whose plaintext clients cluster-authenticated admits.
+    #[arg(long, value_delimiter = ',', default_value = tether_proxy::authz::DEFAULT_CLUSTER_NETWORKS)]
+    cluster_networks: Vec<tether_proxy::authz::Network>,
     /// A local listener pinned to one service: LISTEN=AUTHORITY (repeatable).
     /// Opaque TCP when the service port is opaque, HTTP otherwise.
     #[arg(long, value_parser = parse_upstream)]
@@ -117,6 +130,11 @@ impl ProxyArgs {
                 listen: self.inbound,
                 app,
                 opaque: self.inbound_opaque,
+                policy: tether_proxy::authz::InboundPolicy {
+                    default: self.default_inbound_policy,
+                    audit: self.inbound_policy_audit,
+                    cluster_networks: self.cluster_networks,
+                },
             }),
         })
     }
