@@ -294,3 +294,87 @@ async fn websocket_through_the_gateway() {
     assert!(head.starts_with("http/1.1 101"), "{head}");
     assert_eq!(echo(&mut ws, "across clusters").await, "across clusters");
 }
+
+/// An HTTP/1.1 app that answers every request `101 Switching Protocols`,
+/// upgrade or not, then writes `after`.
+async fn always_switching_app() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream
+                    .write_all(
+                        b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\nafter",
+                    )
+                    .await;
+                let _ = stream.read(&mut buf).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_101_to_a_request_that_asked_no_upgrade_is_a_bad_gateway() {
+    // The client asked for no upgrade, so there is no tunnel to join: the
+    // app broke HTTP, and the client must hear so, through a peer's inbound
+    // (where HTTP/2 cannot carry a 101) and straight to a plaintext app
+    // (where the client was told its protocol switched, then was closed).
+    let mesh = Mesh::start().await;
+    let app = always_switching_app().await;
+    let server = mesh.proxy("chat", Some(app), &[]).await;
+    mesh.scratch.write(
+        "chat.yaml",
+        &format!(
+            "kind: Service\nname: chat\nnamespace: test\nports: [{{port: 8080}}]\n\
+             ---\nkind: Endpoints\nservice: chat\nnamespace: test\n\
+             endpoints: [{{address: \"{}\", identity: {}}}]\n",
+            server.addr("inbound"),
+            id("chat")
+        ),
+    );
+    // And to the app straight, as an endpoint without a proxy.
+    mesh.scratch.write(
+        "plain.yaml",
+        &format!(
+            "kind: Service\nname: plain\nnamespace: test\nports: [{{port: 8080}}]\n\
+             ---\nkind: Endpoints\nservice: plain\nnamespace: test\n\
+             endpoints: [{{address: \"{app}\", meshed: false}}]\n"
+        ),
+    );
+    // Opportunistic TLS, so that the plaintext endpoint is reached.
+    let args = mesh
+        .scratch
+        .identity_args(&mesh.ca, &id("client"), &mesh.ca);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let client = mesh
+        .scratch
+        .proxy("client", mesh.control.addr("grpc"), None, &args)
+        .await;
+    wait_ready(client.addr("admin")).await;
+    for service in ["chat", "plain"] {
+        let mut conn = tokio::net::TcpStream::connect(client.addr("outbound"))
+            .await
+            .unwrap();
+        let request = format!(
+            "GET / HTTP/1.1\r\nhost: {}\r\nconnection: close\r\n\r\n",
+            authority(service, 8080)
+        );
+        conn.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer))
+            .await
+            .expect("an answer")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 502"), "{service}: {answer}");
+        assert!(
+            answer.contains("asked for no upgrade"),
+            "{service}: {answer}"
+        );
+        assert!(!answer.contains("after"), "{service}: {answer}");
+    }
+}

@@ -410,6 +410,15 @@ impl Inbound {
                 reason,
             }),
         };
+        let result = result.and_then(|rsp| {
+            if upgrade.is_none() && rsp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+                return Err(ProxyError::App {
+                    addr: self.app,
+                    reason: crate::upgrade::UNASKED_SWITCH.into(),
+                });
+            }
+            Ok(rsp)
+        });
         let mut rsp = match result {
             Ok(rsp) => {
                 let (mut parts, body) = rsp.into_parts();

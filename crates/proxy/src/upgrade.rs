@@ -40,6 +40,20 @@ pub fn wants_upgrade(headers: &HeaderMap) -> bool {
             .is_some_and(|u| !u.as_bytes().eq_ignore_ascii_case(b"h2c"))
 }
 
+/// Why a response is refused when it switches protocols for a request
+/// that asked for no upgrade the proxy carries: there is no tunnel to
+/// join, and a client told its protocol switched would speak into a
+/// closed connection (an HTTP/2 hop cannot carry a 101 at all).
+pub const UNASKED_SWITCH: &str =
+    "answered 101 Switching Protocols to a request that asked for no upgrade";
+
+/// Whether a response switches protocols though the request (`version`,
+/// `headers`) asked for no upgrade the proxy carries.
+pub fn switched_unasked(version: http::Version, headers: &HeaderMap, status: StatusCode) -> bool {
+    status == StatusCode::SWITCHING_PROTOCOLS
+        && !(version == http::Version::HTTP_11 && wants_upgrade(headers))
+}
+
 /// What a tunnel keeps from the connection it came on: its place under
 /// the connection cap (and its share of the drain), and its idle timeout.
 /// The listener puts one in every request's extensions.

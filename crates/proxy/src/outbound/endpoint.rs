@@ -62,6 +62,7 @@ impl Outbound {
         } = *ctx;
         // HTTP/2 has no upgrades: an upgrade stays HTTP/1.1 to peers too.
         let upgrade = crate::upgrade::wants_upgrade(&parts.headers);
+        let asked = parts.headers.clone();
         let mut request = Some((parts, body));
         let mut last_error = ProxyError::FailFast;
         for _ in 0..CONNECT_ATTEMPTS {
@@ -101,6 +102,12 @@ impl Outbound {
             let req = rewrite_for_hop(parts, body, hop_authority, proto, orig);
             let sent = Instant::now();
             return match conn.send(req).await {
+                Ok(rsp) if crate::upgrade::switched_unasked(version, &asked, rsp.status()) => {
+                    Err(ProxyError::Upstream {
+                        addr,
+                        reason: crate::upgrade::UNASKED_SWITCH.into(),
+                    })
+                }
                 Ok(rsp) => {
                     in_flight.observe(sent.elapsed());
                     let (mut parts, body) = rsp.into_parts();
@@ -148,6 +155,7 @@ impl Outbound {
         strip_hop_by_hop(&mut parts.headers);
         strip_mesh_asserted(&mut parts.headers);
         let orig = carry_http1.then(|| OrigProto::of(parts.version, &parts.uri));
+        let (version, asked) = (parts.version, parts.headers.clone());
         let conn = client
             .connection(proto)
             .await
@@ -158,6 +166,12 @@ impl Outbound {
             addr,
             reason: e.to_string(),
         })?;
+        if crate::upgrade::switched_unasked(version, &asked, rsp.status()) {
+            return Err(ProxyError::Upstream {
+                addr,
+                reason: crate::upgrade::UNASKED_SWITCH.into(),
+            });
+        }
         let (mut parts, body) = rsp.into_parts();
         strip_hop_by_hop_response(parts.status, &mut parts.headers);
         parts.headers.remove(PROXY_ERROR);
