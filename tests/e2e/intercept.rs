@@ -15,21 +15,7 @@ use crate::support::*;
 const PROXY_UID: &str = "1337";
 
 fn ensure_iptables() {
-    if Command::new("iptables")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
-        return;
-    }
-    let ok = Command::new("sh")
-        .args([
-            "-c",
-            "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables",
-        ])
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok, "iptables is missing and could not be installed with apt-get (needs root and the Debian mirrors)");
+    installed(&["iptables"], "iptables");
 }
 
 /// `tether ARGS` inside `ns`, as the proxy's user.

@@ -675,7 +675,13 @@ impl Drop for LocalMesh {
 /// A program the test needs, installed with apt-get (Debian package
 /// `package`) when none of `names` is on the PATH; the test fails naming
 /// it if that does not work.
+///
+/// Tests run in parallel and dpkg takes one lock: installs in this process
+/// go one at a time, and apt waits for a lock another process holds
+/// instead of failing at once.
 pub fn installed(names: &[&str], package: &str) -> PathBuf {
+    static APT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = APT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let find = || {
         names.iter().find_map(|name| {
             let out = std::process::Command::new("sh")
@@ -693,7 +699,11 @@ pub fn installed(names: &[&str], package: &str) -> PathBuf {
     let install = std::process::Command::new("sh")
         .args([
             "-c",
-            &format!("apt-get update && apt-get install -y --no-install-recommends {package}"),
+            &format!(
+                "export DEBIAN_FRONTEND=noninteractive; \
+                 apt-get -o DPkg::Lock::Timeout=300 update && \
+                 apt-get -o DPkg::Lock::Timeout=300 install -y --no-install-recommends {package}"
+            ),
         ])
         .output()
         .expect("running apt-get");
