@@ -770,13 +770,44 @@ fn check_backend_refs(field: &str, refs: &[BackendRef]) -> Result<(), String> {
     Ok(())
 }
 
+/// Why a route may not modify header `name`, if it may not: apps trust
+/// the mesh's own headers (`tether-client-id`, `l5d-client-id`) because
+/// only the mesh sets them, and hop-by-hop and framing headers describe one
+/// connection — a route that set `content-length` could desynchronise the
+/// next hop. The proxies would drop most of these silently; refusing them
+/// here tells the operator.
+fn reserved_header(name: &str) -> Option<&'static str> {
+    let name = name.to_ascii_lowercase().replace('_', "-");
+    if name.starts_with("tether-") || name.starts_with("l5d-") {
+        return Some("the mesh sets it");
+    }
+    match name.as_str() {
+        "connection" | "keep-alive" | "proxy-connection" | "transfer-encoding" | "te"
+        | "trailer" | "upgrade" | "content-length" => {
+            Some("it describes the connection, not the request")
+        }
+        _ => None,
+    }
+}
+
+fn check_modifiable_header(field: &str, name: &str) -> Result<(), String> {
+    check_header_name(field, name)?;
+    match reserved_header(name) {
+        Some(why) => Err(format!(
+            "field `{field}`: {} may not be modified by a route: {why}",
+            for_log(name)
+        )),
+        None => Ok(()),
+    }
+}
+
 fn check_header_modifier(field: &str, m: &HeaderModifier) -> Result<(), String> {
     let mut names = BTreeSet::new();
     for (list, items) in [("set", &m.set), ("add", &m.add)] {
         check_count(&format!("{field}.{list}"), items.len(), MAX_HEADER_ITEMS)?;
         for (i, h) in items.iter().enumerate() {
             let f = format!("{field}.{list}[{i}]");
-            check_header_name(&format!("{f}.name"), &h.name)?;
+            check_modifiable_header(&format!("{f}.name"), &h.name)?;
             check_header_value(&format!("{f}.value"), &h.value)?;
             if !names.insert(h.name.to_ascii_lowercase()) {
                 return Err(format!(
@@ -789,7 +820,7 @@ fn check_header_modifier(field: &str, m: &HeaderModifier) -> Result<(), String> 
     check_count(&format!("{field}.remove"), m.remove.len(), MAX_HEADER_ITEMS)?;
     for (i, name) in m.remove.iter().enumerate() {
         let f = format!("{field}.remove[{i}]");
-        check_header_name(&f, name)?;
+        check_modifiable_header(&f, name)?;
         if !names.insert(name.to_ascii_lowercase()) {
             return Err(format!("field `{f}`: {} is modified twice", for_log(name)));
         }
@@ -1235,6 +1266,10 @@ rules:
             ("rules:\n  - filters: [{type: RequestHeaderModifier}]", "rules[0].filters[0].requestHeaderModifier"),
             ("rules:\n  - filters: [{type: RequestRedirect, requestRedirect: {statusCode: 200}}]", "rules[0].filters[0].requestRedirect.statusCode"),
             ("rules:\n  - filters: [{type: URLRewrite}]", "rules[0].filters[0].type"),
+            ("rules:\n  - filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: Tether-Client-Id, value: admin}]}}]", "rules[0].filters[0].requestHeaderModifier.set[0].name"),
+            ("rules:\n  - filters: [{type: RequestHeaderModifier, requestHeaderModifier: {add: [{name: l5d_client_id, value: admin}]}}]", "the mesh sets it"),
+            ("rules:\n  - filters: [{type: RequestHeaderModifier, requestHeaderModifier: {set: [{name: content-length, value: \"0\"}]}}]", "describes the connection"),
+            ("rules:\n  - filters: [{type: ResponseHeaderModifier, responseHeaderModifier: {remove: [tether-proxy-error]}}]", "rules[0].filters[0].responseHeaderModifier.remove[0]"),
             ("rules:\n  - matches: [{path: {type: Exact, value: /a}}]\n    filters: [{type: RequestRedirect, requestRedirect: {path: {type: ReplacePrefixMatch, replacePrefixMatch: /b}}}]", "ReplacePrefixMatch needs"),
         ];
         for (rules, want) in cases {
