@@ -15,6 +15,7 @@ mod discovery;
 mod discovery_limits;
 mod drain;
 mod errors;
+mod failover;
 mod gateway;
 mod hostile;
 mod identity;

@@ -85,7 +85,7 @@ impl NetNs {
     }
 
     /// Cuts (or restores) the cluster's only link.
-    fn set_link(&self, up: bool) {
+    pub(crate) fn set_link(&self, up: bool) {
         sh(&[
             "ip",
             "link",
@@ -107,37 +107,37 @@ impl Drop for NetNs {
     }
 }
 
-struct Replica {
-    _app: Process,
-    sidecar: Process,
+pub(crate) struct Replica {
+    pub(crate) app: Process,
+    pub(crate) sidecar: Process,
 }
 
-struct Cluster {
-    name: String,
-    net: NetNs,
-    scratch: Scratch,
-    _control: Process,
-    _gateway: Process,
-    client: Process,
-    replicas: Vec<Replica>,
-    service: (String, String),
+pub(crate) struct Cluster {
+    pub(crate) name: String,
+    pub(crate) net: NetNs,
+    pub(crate) scratch: Scratch,
+    pub(crate) control: Process,
+    pub(crate) _gateway: Process,
+    pub(crate) client: Process,
+    pub(crate) replicas: Vec<Replica>,
+    pub(crate) service: (String, String),
 }
 
 fn id(account: &str, cluster: &str) -> String {
     format!("{account}.{cluster}.serviceaccount.identity.cluster.local")
 }
 
-struct Spec<'a> {
-    name: &'a str,
+pub(crate) struct Spec<'a> {
+    pub(crate) name: &'a str,
     /// The local service carrying the global id: (name, namespace).
-    service: (&'a str, &'a str),
-    mode: &'a str,
-    replicas: usize,
-    latency_ms: u32,
+    pub(crate) service: (&'a str, &'a str),
+    pub(crate) mode: &'a str,
+    pub(crate) replicas: usize,
+    pub(crate) latency_ms: u32,
     /// Links: (cluster index, priority).
-    links: Vec<(usize, u32)>,
+    pub(crate) links: Vec<(usize, u32)>,
     /// Another trust root than the others'.
-    rogue: bool,
+    pub(crate) rogue: bool,
 }
 
 /// Runs `tether ARGS` inside the namespace.
@@ -169,7 +169,7 @@ fn token_file(scratch: &Scratch, ca: &Path, identity: &str) -> String {
     path.display().to_string()
 }
 
-fn endpoints_doc(cluster: &Cluster, ready: bool) -> String {
+pub(crate) fn endpoints_doc(cluster: &Cluster, ready: bool) -> String {
     let eps: Vec<String> = cluster
         .replicas
         .iter()
@@ -189,7 +189,7 @@ fn endpoints_doc(cluster: &Cluster, ready: bool) -> String {
     )
 }
 
-async fn mesh(specs: Vec<Spec<'_>>) -> Vec<Cluster> {
+pub(crate) async fn mesh(specs: Vec<Spec<'_>>) -> Vec<Cluster> {
     let net = NEXT_NET.fetch_add(1, Ordering::SeqCst);
     let shared = Scratch::new();
     let ca = shared.identity_init("ca");
@@ -325,7 +325,7 @@ async fn mesh(specs: Vec<Spec<'_>>) -> Vec<Cluster> {
                 &["outbound", "inbound", "admin"],
             )
             .await;
-            replicas.push(Replica { _app: app, sidecar });
+            replicas.push(Replica { app, sidecar });
         }
         let client = spawn_in(
             &scratch,
@@ -339,7 +339,7 @@ async fn mesh(specs: Vec<Spec<'_>>) -> Vec<Cluster> {
             name: spec.name.to_string(),
             net: ns,
             scratch,
-            _control: control,
+            control,
             _gateway: gateway,
             client,
             replicas,
@@ -368,7 +368,7 @@ async fn mesh(specs: Vec<Spec<'_>>) -> Vec<Cluster> {
 
 /// Sends `n` requests through `cluster`'s client sidecar; counts answers
 /// by the cluster that served them (`failed` for errors).
-async fn spread(cluster: &Cluster, n: usize) -> BTreeMap<String, usize> {
+pub(crate) async fn spread(cluster: &Cluster, n: usize) -> BTreeMap<String, usize> {
     let authority = format!(
         "{}.{}.svc.cluster.local:8080",
         cluster.service.0, cluster.service.1
@@ -390,7 +390,7 @@ async fn spread(cluster: &Cluster, n: usize) -> BTreeMap<String, usize> {
 }
 
 /// Waits until a whole batch of requests is served by `cluster` alone.
-async fn until_all_from(client: &Cluster, from: &str) -> BTreeMap<String, usize> {
+pub(crate) async fn until_all_from(client: &Cluster, from: &str) -> BTreeMap<String, usize> {
     let mut last = BTreeMap::new();
     for _ in 0..100 {
         last = spread(client, 20).await;
@@ -405,7 +405,7 @@ async fn until_all_from(client: &Cluster, from: &str) -> BTreeMap<String, usize>
 }
 
 /// Lines of `cluster`'s control-plane log that contain every one of `words`.
-fn control_log_lines(cluster: &Cluster, words: &[&str]) -> usize {
+pub(crate) fn control_log_lines(cluster: &Cluster, words: &[&str]) -> usize {
     cluster
         .scratch
         .read_log("control")
@@ -416,7 +416,7 @@ fn control_log_lines(cluster: &Cluster, words: &[&str]) -> usize {
 
 /// Waits until `cluster`'s control plane has logged more than `before`
 /// lines containing every one of `words`; false after `timeout`.
-async fn control_logged(
+pub(crate) async fn control_logged(
     cluster: &Cluster,
     words: &[&str],
     before: usize,
@@ -428,8 +428,8 @@ async fn control_logged(
     .await
 }
 
-const REACHABLE: &str = "linked cluster reachable";
-const UNREACHABLE: &str = "linked cluster unreachable; dropped from answers";
+pub(crate) const REACHABLE: &str = "linked cluster reachable";
+pub(crate) const UNREACHABLE: &str = "linked cluster unreachable; dropped from answers";
 
 #[tokio::test]
 async fn balanced_mode_spreads_but_prefers_local_and_joins_names() {
@@ -626,6 +626,20 @@ async fn a_cluster_with_another_trust_root_is_refused() {
         counts.keys().all(|k| k.starts_with("failed 503")),
         "{counts:?}"
     );
+    // Counted as what they would have been under mandatory TLS: mTLS.
+    let text = metrics(east.client.addr("admin")).await;
+    let failed = |tls: &str| {
+        metric_value(
+            &text,
+            "tether_proxy_requests_total",
+            &[
+                ("direction", "outbound"),
+                ("status_class", "5xx"),
+                ("tls", tls),
+            ],
+        )
+    };
+    assert_eq!((failed("true"), failed("false")), (10.0, 0.0), "{text}");
     let log = east.scratch.read_log("control");
     assert!(!log.contains("linked cluster reachable"), "{log}");
 }

@@ -67,6 +67,8 @@ pub struct DestinationService {
 pub struct Subscription {
     pub service: SlotKey,
     pub port: u16,
+    /// Whether the client asked for every tier (its `context_token`).
+    pub tiers: bool,
     state: Mutex<SubState>,
     repair: Notify,
 }
@@ -81,6 +83,15 @@ struct SubState {
 }
 
 impl Subscription {
+    /// What this subscriber is sent of `snap`: every tier, or only the best.
+    fn view<'a>(&self, snap: &'a PortSnapshot) -> std::borrow::Cow<'a, PortSnapshot> {
+        if self.tiers {
+            std::borrow::Cow::Borrowed(snap)
+        } else {
+            snap.best_tier()
+        }
+    }
+
     #[cfg(test)]
     pub(crate) fn forget_what_was_sent(&self) {
         self.state.lock().unwrap().sent = SentState::default();
@@ -183,6 +194,7 @@ impl Subscriptions {
         &self,
         service: SlotKey,
         port: u16,
+        tiers: bool,
         metrics: &ControlMetrics,
     ) -> Result<(Arc<Subscription>, Registered), Status> {
         let mut live = self.live.lock().unwrap();
@@ -196,6 +208,7 @@ impl Subscriptions {
         let sub = Arc::new(Subscription {
             service: service.clone(),
             port,
+            tiers,
             state: Mutex::default(),
             repair: Notify::new(),
         });
@@ -253,7 +266,7 @@ impl Subscriptions {
             let state = sub.state.lock().unwrap();
             if state.sending || state.version < version {
                 report.in_flight += 1;
-            } else if !state.sent.matches(&snap) {
+            } else if !state.sent.matches(&sub.view(&snap)) {
                 report.divergent += 1;
                 drop(state);
                 sub.repair.notify_one();
@@ -415,6 +428,12 @@ pub fn weighted_addr(addr: SocketAddr, meta: &EndpointMeta) -> WeightedAddr {
     if let Some(cluster) = &meta.cluster {
         labels.insert("cluster".to_string(), cluster.clone());
     }
+    if let Some(tier) = meta.tier {
+        labels.insert(
+            tether_core::registry::TIER_LABEL.to_string(),
+            tier.to_string(),
+        );
+    }
     let tls_identity = meta.identity.as_ref().map(|id| TlsIdentity {
         strategy: Some(tls_identity::Strategy::DnsLikeIdentity(
             tls_identity::DnsLikeIdentity { name: id.clone() },
@@ -482,7 +501,7 @@ async fn feed(
         let published = slot.borrow_and_update().clone();
         let updates = {
             let mut state = sub.state.lock().unwrap();
-            let updates = state.sent.diff(&published.snap, &sub.service);
+            let updates = state.sent.diff(&sub.view(&published.snap), &sub.service);
             state.version = published.version;
             state.sending = !updates.is_empty();
             updates
@@ -551,9 +570,20 @@ impl DestinationService {
         service: SlotKey,
         port: u16,
     ) -> Result<mpsc::Receiver<Result<Update, Status>>, Status> {
+        self.try_subscribe_tiers(service, port, false)
+    }
+
+    /// As [`DestinationService::try_subscribe`]; with `tiers`, the
+    /// subscriber is sent every priority tier, labelled, not only the best.
+    pub fn try_subscribe_tiers(
+        &self,
+        service: SlotKey,
+        port: u16,
+        tiers: bool,
+    ) -> Result<mpsc::Receiver<Result<Update, Status>>, Status> {
         let (sub, registered) =
             self.subscriptions
-                .register(service.clone(), port, &self.metrics)?;
+                .register(service.clone(), port, tiers, &self.metrics)?;
         let slot = self.index.subscribe(&service, port);
         let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
         tokio::spawn(serve_subscription(
@@ -658,8 +688,10 @@ impl Destination for DestinationService {
         if self.shutdown.is_triggered() {
             return Err(Status::unavailable("control plane is shutting down"));
         }
-        let path = req.into_inner().path;
-        tracing::debug!(%path, "Destination.Get");
+        let req = req.into_inner();
+        let tiers = tether_core::registry::wants_tiers(&req.context_token);
+        let path = req.path;
+        tracing::debug!(%path, tiers, "Destination.Get");
         let ip_literal = split_host_port(&path).ok().and_then(|(host, port)| {
             let ip = host
                 .trim_start_matches('[')
@@ -678,7 +710,7 @@ impl Destination for DestinationService {
                 (SlotKey::Service(auth.service), auth.port)
             }
         };
-        let rx = self.try_subscribe(key, port)?;
+        let rx = self.try_subscribe_tiers(key, port, tiers)?;
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -726,6 +758,7 @@ mod tests {
             name: None,
             cluster: None,
             authority_override: None,
+            tier: None,
         }
     }
 

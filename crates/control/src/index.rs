@@ -77,14 +77,44 @@ pub struct EndpointMeta {
     pub cluster: Option<String>,
     /// The authority to send instead of the request's (gateways).
     pub authority_override: Option<String>,
+    /// The priority tier (multicluster services only): 0 for what the
+    /// service uses first, a link's priority for that link's gateway.
+    pub tier: Option<u32>,
 }
 
-/// The current state of one (service, port): only ready endpoints.
+/// The current state of one (service, port): only ready endpoints, of
+/// every tier.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct PortSnapshot {
     pub exists: bool,
     pub opaque: bool,
     pub endpoints: BTreeMap<SocketAddr, EndpointMeta>,
+}
+
+impl PortSnapshot {
+    /// Only the endpoints of the best tier: what a client that does not
+    /// read tiers is sent, and exactly what every client was sent before
+    /// tiers existed (`balanced`: local and the best remote tier;
+    /// `failover`: local, or while none is ready the best remote tier).
+    pub fn best_tier(&self) -> std::borrow::Cow<'_, PortSnapshot> {
+        let tier = |m: &EndpointMeta| m.tier.unwrap_or(0);
+        let Some(best) = self.endpoints.values().map(tier).min() else {
+            return std::borrow::Cow::Borrowed(self);
+        };
+        if self.endpoints.values().all(|m| tier(m) == best) {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        std::borrow::Cow::Owned(PortSnapshot {
+            exists: self.exists,
+            opaque: self.opaque,
+            endpoints: self
+                .endpoints
+                .iter()
+                .filter(|(_, m)| tier(m) == best)
+                .map(|(a, m)| (*a, m.clone()))
+                .collect(),
+        })
+    }
 }
 
 /// What a slot holds: the state, which version of the slot it is, and when
@@ -176,6 +206,10 @@ impl Index {
             inner: Arc::default(),
             metrics,
         }
+    }
+
+    pub fn metrics(&self) -> &ControlMetrics {
+        &self.metrics
     }
 
     /// Names this cluster (labels local endpoints when multicluster).
@@ -521,10 +555,11 @@ impl Inner {
                     };
                 };
                 let mut endpoints = self.local_union(global, port);
-                let mode = svc.mode.unwrap_or_default();
-                if mode == MulticlusterMode::Balanced || endpoints.is_empty() {
-                    endpoints.extend(self.remote_tier(global, port));
+                for meta in endpoints.values_mut() {
+                    meta.tier = Some(0);
                 }
+                let balanced = svc.mode.unwrap_or_default() == MulticlusterMode::Balanced;
+                endpoints.extend(self.remote_tiers(global, port, balanced));
                 PortSnapshot {
                     exists: true,
                     opaque: spec.opaque,
@@ -534,23 +569,31 @@ impl Inner {
         }
     }
 
-    /// The gateways of the best-priority tier of linked clusters that have
-    /// ready endpoints for `global`.
-    fn remote_tier(&self, global: &str, port: u16) -> BTreeMap<SocketAddr, EndpointMeta> {
+    /// The gateways of every linked cluster that has ready endpoints for
+    /// `global`, each in its link's priority tier — except that `balanced`
+    /// blends the best of them into tier 0, with the local endpoints.
+    fn remote_tiers(
+        &self,
+        global: &str,
+        port: u16,
+        balanced: bool,
+    ) -> BTreeMap<SocketAddr, EndpointMeta> {
         let ready = |r: &RemoteCluster| r.ready.get(global).copied().unwrap_or(0);
-        let Some(best) = self
+        let best = self
             .remotes
             .values()
             .filter(|r| ready(r) > 0)
             .map(|r| r.priority)
-            .min()
-        else {
-            return BTreeMap::new();
-        };
+            .min();
         self.remotes
             .iter()
-            .filter(|(_, r)| r.priority == best && ready(r) > 0)
+            .filter(|(_, r)| ready(r) > 0)
             .map(|(name, r)| {
+                let tier = if balanced && Some(r.priority) == best {
+                    0
+                } else {
+                    r.priority
+                };
                 (
                     r.gateway,
                     EndpointMeta {
@@ -562,6 +605,7 @@ impl Inner {
                         name: Some(format!("gateway.{name}")),
                         cluster: Some(name.clone()),
                         authority_override: Some(format!("{global}.global:{port}")),
+                        tier: Some(tier),
                     },
                 )
             })
@@ -624,6 +668,7 @@ fn meta_of(ep: &EndpointSpec, opaque: bool, cluster: &str) -> EndpointMeta {
         name: ep.name.clone(),
         cluster: (!cluster.is_empty()).then(|| cluster.to_string()),
         authority_override: None,
+        tier: None,
     }
 }
 
@@ -722,15 +767,29 @@ mod tests {
         }
     }
 
+    /// What a client that does not read tiers is sent.
     fn ports_of(index: &Index, key: &ServiceKey) -> Vec<u16> {
         index
             .snapshot(&SlotKey::Service(key.clone()), 80)
+            .best_tier()
             .endpoints
             .keys()
             .map(|a| a.port())
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect()
+    }
+
+    /// (port, tier) of everything a client that reads tiers is sent.
+    fn tiers_of(index: &Index, key: &ServiceKey) -> Vec<(u16, u32)> {
+        let mut out: Vec<(u16, u32)> = index
+            .snapshot(&SlotKey::Service(key.clone()), 80)
+            .endpoints
+            .iter()
+            .map(|(a, m)| (a.port(), m.tier.unwrap()))
+            .collect();
+        out.sort();
+        out
     }
 
     #[test]
@@ -760,8 +819,18 @@ mod tests {
         index.set_remote("north", Some(remote(2, 4002, 5)));
         // Failover: local is healthy, nothing remote.
         assert_eq!(ports_of(&index, &a), vec![1, 2]);
+        // ...though a client that reads tiers knows both remotes in advance.
+        assert_eq!(
+            tiers_of(&index, &a),
+            vec![(1, 0), (2, 0), (4001, 1), (4002, 2)]
+        );
         // Balanced: local plus the best remote tier, weighted by ready count.
-        let snap = index.snapshot(&SlotKey::Service(b.clone()), 80);
+        assert_eq!(
+            tiers_of(&index, &b),
+            vec![(1, 0), (2, 0), (4001, 0), (4002, 2)]
+        );
+        let full = index.snapshot(&SlotKey::Service(b.clone()), 80);
+        let snap = full.best_tier();
         let mut ports: Vec<u16> = snap.endpoints.keys().map(|a| a.port()).collect();
         ports.sort();
         assert_eq!(ports, vec![1, 2, 4001]);

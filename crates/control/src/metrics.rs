@@ -39,6 +39,15 @@ pub struct ControlMetrics {
     pub registry_endpoints: Gauge,
     pub registry_reload_errors: Counter,
     pub registry_events_applied: Counter,
+    /// 1 for each linked cluster's current state (multicluster::remote).
+    pub links: Family<LinkLabels, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LinkLabels {
+    pub cluster: String,
+    /// `serving`, `stale_export_gateway_healthy` or `dropped`.
+    pub state: String,
 }
 
 impl Default for ControlMetrics {
@@ -57,6 +66,7 @@ impl Default for ControlMetrics {
             registry_endpoints: Gauge::default(),
             registry_reload_errors: Counter::default(),
             registry_events_applied: Counter::default(),
+            links: Family::default(),
         }
     }
 }
@@ -127,6 +137,11 @@ impl ControlMetrics {
             "tether_registry_events_applied",
             "Registry changes (per file) applied to the index",
             self.registry_events_applied.clone(),
+        );
+        registry.register(
+            "tether_control_linked_cluster",
+            "1 for a linked cluster's current state: serving, stale_export_gateway_healthy (its control plane is silent but its gateway answers: last known export kept), dropped",
+            self.links.clone(),
         );
     }
 }

@@ -17,8 +17,7 @@ use crate::authority::{is_dns_label, ServiceKey};
 use crate::route::{GrpcRouteDoc, HttpRouteDoc, Route, RouteKind};
 use crate::truncate::{bounded_message, for_log};
 
-/// How a service with a global id uses other clusters (reserved for
-/// multicluster; parsed and validated today, not yet acted upon).
+/// How a service with a global id uses other clusters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum MulticlusterMode {
@@ -162,6 +161,31 @@ impl ServiceDoc {
 /// registry sets only the ratio and the floor; the control plane sends this
 /// window with them, and proxies use it for their own default budget.
 pub const RETRY_BUDGET_WINDOW: Duration = Duration::from_secs(10);
+
+/// The `metric_labels` key of a discovered endpoint's priority tier: `0`
+/// for what a service uses first (its local endpoints, and in `balanced`
+/// mode the best remote tier), a link's priority for that link's gateway.
+/// A proxy uses the best tier that has a healthy endpoint.
+pub const TIER_LABEL: &str = "tier";
+
+/// What a client puts in `GetDestination.context_token` (JSON, beside any
+/// keys of its own) to be sent every tier of a multicluster service, not
+/// only the tier in use: `{"tether": {"tiers": true}}`. Clients that do not
+/// ask (linkerd2-proxy) get only the endpoints of the best tier.
+pub const TIERS_CONTEXT_TOKEN: &str = r#"{"tether":{"tiers":true}}"#;
+
+/// Whether a `context_token` asks for every tier (see
+/// [`TIERS_CONTEXT_TOKEN`]); anything unparsable, or longer than 4 KiB,
+/// does not. (JSON is YAML, and this crate already reads YAML.)
+pub fn wants_tiers(context_token: &str) -> bool {
+    if context_token.len() > 4096 || !context_token.contains("tiers") {
+        return false;
+    }
+    serde_yaml::from_str::<serde_yaml::Value>(context_token)
+        .ok()
+        .and_then(|v| v.get("tether")?.get("tiers")?.as_bool())
+        .unwrap_or(false)
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -483,6 +507,19 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_token_that_asks_gets_every_tier() {
+        assert!(wants_tiers(TIERS_CONTEXT_TOKEN));
+        assert!(wants_tiers(r#"{"ns":"shop","tether":{"tiers":true}}"#));
+        // linkerd2-proxy's token, nothing, garbage.
+        assert!(!wants_tiers(
+            r#"{"ns":"shop","nodeName":"n1","pod":"web-0"}"#
+        ));
+        assert!(!wants_tiers(""));
+        assert!(!wants_tiers("tiers: [[["));
+        assert!(!wants_tiers(r#"{"tether":{"tiers":"yes"}}"#));
+    }
 
     const GOOD: &str = r#"
 kind: Service

@@ -1,17 +1,28 @@
-//! Load balancing: power of two choices over peak-EWMA latency.
+//! Load balancing: power of two choices over peak-EWMA latency, within
+//! the best priority tier that has a healthy endpoint.
 //!
 //! Each endpoint keeps a latency estimate that jumps up at once to any
 //! slower observation (the peak) and decays towards faster ones with time
 //! constant `DECAY`. Its load is that estimate times (requests in flight +
 //! 1), divided by its weight. A pick samples two endpoints at random and
 //! takes the less loaded, which sends most traffic to fast endpoints while
-//! still probing slow ones now and then. Endpoints whose connections are
-//! failing sit out for a backoff while any other endpoint is available.
+//! still probing slow ones now and then.
+//!
+//! Tiers and health: discovery labels each endpoint with a tier
+//! ([`tether_core::registry::TIER_LABEL`]; none means 0). A pick considers
+//! only the best (lowest) tier that has an endpoint passive [`health`]
+//! has not taken out, so a proxy fails over to a remote tier the moment
+//! its local endpoints stop answering, before the registry notices. When
+//! no endpoint of any tier is healthy (the panic threshold: zero healthy
+//! endpoints), health and tiers are ignored and every endpoint is a
+//! candidate: trying one that may have recovered beats failing for sure.
 //!
 //! A new endpoint starts at the mean estimate of the endpoints already
 //! there (or a default when there are none): starting it slower would
 //! starve it behind fast incumbents until its estimate decayed, starting it
 //! at zero would flood it.
+//!
+//! [`health`]: crate::health
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -19,17 +30,25 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use rand::Rng;
 use tokio::sync::watch;
 
 use crate::client::EndpointClient;
 use crate::discovery::{Endpoint, Resolution};
+use crate::health::{Ejection, Health};
+use crate::http::Proto;
+use crate::metrics::ReasonLabels;
 use crate::tls::Connector;
 
 const DECAY: Duration = Duration::from_secs(10);
 /// The estimate an endpoint starts with, before any observation.
 const DEFAULT_RTT: Duration = Duration::from_millis(30);
-const FAILURE_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Endpoints taken out by passive health, by reason
+/// (`tether_proxy_endpoint_ejections_total`).
+pub type Ejections = Family<ReasonLabels, Counter>;
 
 #[derive(Debug)]
 struct PeakEwma {
@@ -71,19 +90,39 @@ impl PeakEwma {
 pub struct EndpointHandle {
     pub endpoint: Endpoint,
     pub client: EndpointClient,
+    /// The endpoint's priority tier (0 is the best).
+    pub tier: u32,
+    pub health: Health,
     ewma: Mutex<PeakEwma>,
     in_flight: AtomicUsize,
-    failing_until: Mutex<Option<Instant>>,
+    ejections: Ejections,
+}
+
+/// An endpoint's tier as discovery labels it; unlabelled (or unreadable)
+/// is tier 0, so a control plane that knows no tiers changes nothing.
+fn tier_of(endpoint: &Endpoint) -> u32 {
+    endpoint
+        .labels
+        .get(tether_core::registry::TIER_LABEL)
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0)
 }
 
 impl EndpointHandle {
-    fn new(endpoint: Endpoint, connector: Arc<Connector>, estimate_ns: f64) -> Self {
+    fn new(
+        endpoint: Endpoint,
+        connector: Arc<Connector>,
+        estimate_ns: f64,
+        ejections: Ejections,
+    ) -> Self {
         Self {
             client: EndpointClient::new(endpoint.addr, endpoint.identity.clone(), connector),
+            tier: tier_of(&endpoint),
             endpoint,
+            health: Health::default(),
             ewma: Mutex::new(PeakEwma::new(estimate_ns)),
             in_flight: AtomicUsize::new(0),
-            failing_until: Mutex::new(None),
+            ejections,
         }
     }
 
@@ -93,17 +132,67 @@ impl EndpointHandle {
         estimate * (pending + 1.0) / self.endpoint.weight as f64
     }
 
-    fn failing_at(&self, now: Instant) -> bool {
-        self.failing_until.lock().unwrap().is_some_and(|t| t > now)
-    }
-
-    /// Whether connections to this endpoint are failing right now.
+    /// Whether passive health has taken this endpoint out.
     pub fn is_failing(&self) -> bool {
-        self.failing_at(Instant::now())
+        !self.health.available()
     }
 
-    pub fn mark_failed(&self) {
-        *self.failing_until.lock().unwrap() = Some(Instant::now() + FAILURE_BACKOFF);
+    /// A connection to the endpoint could not be made: out at once.
+    pub fn mark_failed(self: &Arc<Self>) {
+        if let Some(why) = self.health.connect_failed() {
+            self.ejected(why);
+        }
+    }
+
+    /// A request failed before the app answered (see [`ACCRUAL`]).
+    ///
+    /// [`ACCRUAL`]: crate::health::ACCRUAL
+    pub fn request_failed(self: &Arc<Self>) {
+        if let Some(why) = self.health.request_failed() {
+            self.ejected(why);
+        }
+    }
+
+    /// Just taken out: count it, close its connections (requests in flight
+    /// were told by [`Health`]), and probe it until it connects again.
+    fn ejected(self: &Arc<Self>, why: Ejection) {
+        tracing::debug!(addr = %self.endpoint.addr, reason = why.label(), "endpoint taken out of the balancer");
+        self.ejections
+            .get_or_create(&ReasonLabels {
+                reason: why.label().into(),
+            })
+            .inc();
+        self.client.close();
+        // Outside a runtime (unit tests) nobody probes; the state still holds.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let weak = Arc::downgrade(self);
+        runtime.spawn(async move {
+            loop {
+                // Only a weak reference while waiting: a probe never keeps
+                // alive an endpoint discovery dropped.
+                let Some(pause) = weak.upgrade().map(|h| h.health.next_probe()) else {
+                    return;
+                };
+                tokio::time::sleep(pause).await;
+                let Some(handle) = weak.upgrade() else {
+                    return;
+                };
+                // The connection a request would use (kept for it), bounded
+                // by the connect timeout.
+                let connected = if handle.endpoint.meshed {
+                    handle.client.connection(Proto::Http2).await.is_ok()
+                } else {
+                    handle.client.connect_stream().await.is_ok()
+                };
+                if connected {
+                    tracing::debug!(addr = %handle.endpoint.addr, "probe connected; endpoint back on probation");
+                    handle.health.readmit();
+                    return;
+                }
+            }
+        });
     }
 
     /// Counts a request in flight until the guard drops.
@@ -116,9 +205,10 @@ impl EndpointHandle {
 pub struct InFlight(Arc<EndpointHandle>);
 
 impl InFlight {
+    /// The app answered after `rtt`: a latency sample, and proof of health.
     pub fn observe(&self, rtt: Duration) {
         self.0.ewma.lock().unwrap().observe(rtt, Instant::now());
-        *self.0.failing_until.lock().unwrap() = None;
+        self.0.health.succeeded();
     }
 }
 
@@ -139,16 +229,22 @@ struct Inner {
 pub struct Balancer {
     inner: Mutex<Inner>,
     connector: Arc<Connector>,
+    ejections: Ejections,
 }
 
 impl Balancer {
-    pub fn new(rx: watch::Receiver<Resolution>, connector: Arc<Connector>) -> Self {
+    pub fn new(
+        rx: watch::Receiver<Resolution>,
+        connector: Arc<Connector>,
+        ejections: Ejections,
+    ) -> Self {
         Self {
             inner: Mutex::new(Inner {
                 rx,
                 endpoints: Vec::new(),
             }),
             connector,
+            ejections,
         }
     }
 
@@ -186,6 +282,7 @@ impl Balancer {
                         ep.clone(),
                         self.connector.clone(),
                         seed,
+                        self.ejections.clone(),
                     )),
                 })
                 .collect();
@@ -194,26 +291,21 @@ impl Balancer {
     }
 }
 
-/// Picks the less loaded of two random endpoints, skipping `exclude` and,
-/// while others remain, endpoints that are failing.
+/// Picks the less loaded of two random endpoints among the healthy ones
+/// of the best tier that has any, skipping `exclude`; when none is healthy
+/// (panic), among all that are not excluded.
 pub fn pick(
     endpoints: &[Arc<EndpointHandle>],
     exclude: &[SocketAddr],
 ) -> Option<Arc<EndpointHandle>> {
-    let now = Instant::now();
     let candidates: Vec<&Arc<EndpointHandle>> = endpoints
         .iter()
         .filter(|h| !exclude.contains(&h.endpoint.addr))
         .collect();
-    let healthy: Vec<&Arc<EndpointHandle>> = candidates
-        .iter()
-        .copied()
-        .filter(|h| !h.failing_at(now))
-        .collect();
-    let pool = if healthy.is_empty() {
-        candidates
-    } else {
-        healthy
+    let healthy = candidates.iter().copied().filter(|h| h.health.available());
+    let pool: Vec<&Arc<EndpointHandle>> = match healthy.clone().map(|h| h.tier).min() {
+        Some(best) => healthy.filter(|h| h.tier == best).collect(),
+        None => candidates,
     };
     match pool.len() {
         0 => None,
@@ -240,8 +332,17 @@ pub fn pick(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeSet;
 
     fn handle(port: u16) -> Arc<EndpointHandle> {
+        tiered(port, None)
+    }
+
+    fn tiered(port: u16, tier: Option<&str>) -> Arc<EndpointHandle> {
+        let labels = tier
+            .map(|t| (tether_core::registry::TIER_LABEL.to_string(), t.to_string()))
+            .into_iter()
+            .collect();
         Arc::new(EndpointHandle::new(
             Endpoint {
                 addr: SocketAddr::from(([127, 0, 0, 1], port)),
@@ -249,11 +350,12 @@ mod tests {
                 identity: None,
                 meshed: true,
                 opaque: false,
-                labels: BTreeMap::new(),
+                labels,
                 authority_override: None,
             },
             Connector::plain(Duration::from_secs(1)),
             DEFAULT_RTT.as_nanos() as f64,
+            Ejections::default(),
         ))
     }
 
@@ -292,7 +394,11 @@ mod tests {
     #[test]
     fn a_new_endpoint_competes_with_fast_incumbents() {
         let (tx, rx) = watch::channel(Resolution::default());
-        let balancer = Balancer::new(rx, Connector::plain(Duration::from_secs(1)));
+        let balancer = Balancer::new(
+            rx,
+            Connector::plain(Duration::from_secs(1)),
+            Ejections::default(),
+        );
         let ep = |port| handle(port).endpoint.clone();
         let set = |eps: Vec<Endpoint>| {
             tx.send_modify(|r| {
@@ -328,5 +434,48 @@ mod tests {
             1
         );
         assert!(pick(&all, &[a.endpoint.addr, b.endpoint.addr]).is_none());
+    }
+
+    #[test]
+    fn the_best_tier_with_a_healthy_endpoint_takes_every_request() {
+        let (local_a, local_b) = (tiered(1, Some("0")), tiered(2, None));
+        let (remote, far) = (tiered(3, Some("1")), tiered(4, Some("2")));
+        let ejections = local_a.ejections.clone();
+        // The remote is much faster: tiers still come first.
+        remote.start().observe(Duration::from_micros(10));
+        let all = vec![
+            local_a.clone(),
+            local_b.clone(),
+            remote.clone(),
+            far.clone(),
+        ];
+        let ports = |exclude: &[SocketAddr]| {
+            (0..50)
+                .map(|_| pick(&all, exclude).unwrap().endpoint.addr.port())
+                .collect::<BTreeSet<u16>>()
+        };
+        assert_eq!(ports(&[]), BTreeSet::from([1, 2]));
+        // Every local endpoint out: tier 1 at once, without discovery.
+        local_a.mark_failed();
+        local_b.mark_failed();
+        assert_eq!(ports(&[]), BTreeSet::from([3]));
+        assert_eq!(ports(&[remote.endpoint.addr]), BTreeSet::from([4]));
+        // Nothing healthy at all (panic): everything not excluded is tried.
+        for h in [&remote, &far] {
+            h.mark_failed();
+        }
+        assert_eq!(ports(&[]), BTreeSet::from([1, 2, 3, 4]));
+        assert_eq!(
+            ejections
+                .get_or_create(&ReasonLabels {
+                    reason: "connect".into()
+                })
+                .get(),
+            1,
+            "each handle counts its own ejections (one family per service in use)"
+        );
+        // A local endpoint back on probation takes the traffic back.
+        local_b.health.readmit();
+        assert_eq!(ports(&[]), BTreeSet::from([2]));
     }
 }

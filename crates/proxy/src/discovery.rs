@@ -568,7 +568,8 @@ async fn follow(
     let req = GetDestination {
         scheme: "k8s".into(),
         path: authority.to_string(),
-        ..Default::default()
+        // Every priority tier, so the balancer can fail over by itself.
+        context_token: tether_core::registry::TIERS_CONTEXT_TOKEN.into(),
     };
     let mut client = client(picked.channel);
     // When another replica could answer instead: the call's response

@@ -25,7 +25,10 @@
 //!   mTLS listener that admits only the mesh's identities and global ids.
 //! - [`failfast`]: how long a service may have no endpoint before its
 //!   requests fail at once.
-//! - [`balance`]: power of two choices over peak-EWMA latency.
+//! - [`balance`]: power of two choices over peak-EWMA latency, within the
+//!   best priority tier that has a healthy endpoint.
+//! - [`health`]: passive health — endpoints that refuse connections or
+//!   fail repeatedly are taken out at once, probed, and readmitted.
 //! - [`client`]: connections to one endpoint: one multiplexed HTTP/2
 //!   connection, or a bounded pool of HTTP/1 connections.
 //! - [`http`]: what both sides do to HTTP messages (hop-by-hop headers,
@@ -58,6 +61,7 @@ pub mod discovery;
 pub mod errors;
 pub mod failfast;
 pub mod gateway;
+pub mod health;
 pub mod http;
 pub mod identity;
 pub mod inbound;

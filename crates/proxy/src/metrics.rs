@@ -99,6 +99,16 @@ pub struct ProxyMetrics {
     pub tap: crate::tap::Tap,
     pub outbound_policy_refused: Counter,
     pub authz: crate::authz::AuthzMetrics,
+    /// Passive health (`crate::health`): endpoints per state, ejections.
+    pub endpoint_health: Family<EndpointHealthLabels, Gauge>,
+    pub endpoint_ejections: crate::balance::Ejections,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointHealthLabels {
+    pub authority: String,
+    /// `healthy`, `ejected` or `probation`.
+    pub state: String,
 }
 
 /// Every class [`crate::classify`] gives, so a route's series can be removed.
@@ -132,6 +142,8 @@ impl Default for ProxyMetrics {
             tap: crate::tap::Tap::default(),
             outbound_policy_refused: Counter::default(),
             authz: crate::authz::AuthzMetrics::default(),
+            endpoint_health: Family::default(),
+            endpoint_ejections: Family::default(),
         }
     }
 }
@@ -220,6 +232,16 @@ impl ProxyMetrics {
         );
         self.tap.register(registry);
         self.authz.register(registry);
+        registry.register(
+            "tether_proxy_endpoint_health",
+            "Endpoints of an authority by passive-health state (healthy, ejected: out of the balancer until a probe connects, probation: back, out again at the next failure)",
+            self.endpoint_health.clone(),
+        );
+        registry.register(
+            "tether_proxy_endpoint_ejections",
+            "Endpoints passive health took out of the balancer, by reason (connect: a connection failed, consecutive_failures)",
+            self.endpoint_ejections.clone(),
+        );
     }
 
     pub fn retry(&self, authority: &str, outcome: &str) {

@@ -1,10 +1,18 @@
 //! One watcher per link. It follows the remote control plane's export
 //! stream (over mTLS, verifying the remote presents
 //! `tether-control.<cluster>…` from the shared trust root) and probes the
-//! remote gateway with a TCP connect. The remote is in the index only while
-//! the stream has spoken within [`STALE`] and the gateway answered a probe
-//! within [`STALE`]; otherwise it is dropped, and restored when both are
-//! back.
+//! remote gateway with an mTLS handshake (verifying the gateway identity
+//! the export advertises; a bare TCP connect when it advertises none).
+//!
+//! A linked cluster is judged by what serves its traffic, its gateway:
+//! - export and gateway fresh (heard within [`STALE`]): served;
+//! - export stale but gateway fresh (the remote control plane is hung or
+//!   down, its data plane is not): still served from the last known
+//!   export, like a proxy keeps its last known endpoints when its control
+//!   plane goes away — logged and exposed as `stale export, gateway
+//!   healthy` (`tether_control_linked_cluster{state=...}`);
+//! - gateway stale (or no export ever): dropped, and restored when both
+//!   are back.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -24,6 +32,7 @@ use tokio::net::TcpStream;
 use super::export::{watch, ExportState};
 use super::links::Link;
 use crate::index::{Index, RemoteCluster};
+use crate::metrics::{ControlMetrics, LinkLabels};
 
 /// How long a remote may be silent (stream or gateway) before it is dropped.
 pub const STALE: Duration = Duration::from_millis(1000);
@@ -89,65 +98,157 @@ pub async fn run(
         link.clone(),
         local_cluster,
         expected_identity,
-        config,
+        config.clone(),
         seen.clone(),
         shutdown.clone(),
     ));
     let mut tick = tokio::time::interval(PROBE_EVERY);
-    let mut was_up = false;
+    let mut was = LinkState::Dropped;
+    publish_state(index.metrics(), &link.name, was);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = shutdown.triggered() => return,
         }
-        let gateway = {
+        let (gateway, gateway_identity) = {
             let s = seen.lock().unwrap();
-            link.gateway.or_else(|| {
-                s.export
-                    .as_ref()
-                    .and_then(|(_, e)| e.gateway_address.parse::<SocketAddr>().ok())
-            })
+            let advertised = s.export.as_ref().map(|(_, e)| e);
+            (
+                link.gateway.or_else(|| {
+                    advertised.and_then(|e| e.gateway_address.parse::<SocketAddr>().ok())
+                }),
+                advertised
+                    .map(|e| e.gateway_identity.clone())
+                    .filter(|id| !id.is_empty()),
+            )
         };
         if let Some(gw) = gateway {
-            let ok = matches!(
-                tokio::time::timeout(PROBE_TIMEOUT, TcpStream::connect(gw)).await,
-                Ok(Ok(_))
-            );
-            if ok {
+            if probe_gateway(gw, gateway_identity, &config).await {
                 seen.lock().unwrap().gateway_ok = Some(Instant::now());
             }
         }
-        let remote = {
+        let (state, remote) = {
             let s = seen.lock().unwrap();
-            let fresh = |t: Instant| t.elapsed() < STALE;
-            match (&s.export, s.gateway_ok, gateway) {
-                (Some((at, state)), Some(gw_at), Some(gw)) if fresh(*at) && fresh(gw_at) => {
-                    Some(RemoteCluster {
-                        priority: link.priority,
-                        gateway: gw,
-                        gateway_identity: (!state.gateway_identity.is_empty())
-                            .then(|| state.gateway_identity.clone()),
-                        ready: state
-                            .services
-                            .iter()
-                            .map(|s| (s.global_id.clone(), s.ready_endpoints))
-                            .collect::<BTreeMap<_, _>>(),
-                    })
-                }
-                _ => None,
-            }
+            judge(&s, gateway, link.priority)
         };
-        let up = remote.is_some();
-        if up != was_up {
-            if up {
-                tracing::info!(cluster = %link.name, "linked cluster reachable; its endpoints are served");
-            } else {
-                tracing::warn!(cluster = %link.name, "linked cluster unreachable; dropped from answers");
+        if state != was {
+            match state {
+                LinkState::Serving => {
+                    tracing::info!(cluster = %link.name, "linked cluster reachable; its endpoints are served")
+                }
+                LinkState::StaleExport => tracing::warn!(
+                    cluster = %link.name,
+                    "stale export, gateway healthy: the linked cluster's control plane is silent but its gateway answers; serving its last known endpoints"
+                ),
+                LinkState::Dropped => {
+                    tracing::warn!(cluster = %link.name, "linked cluster unreachable; dropped from answers")
+                }
             }
-            was_up = up;
+            publish_state(index.metrics(), &link.name, state);
+            was = state;
         }
         index.set_remote(&link.name, remote);
     }
+}
+
+/// Where a link stands (`tether_control_linked_cluster{state}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkState {
+    Serving,
+    /// Its control plane is silent, its gateway answers: last known export.
+    StaleExport,
+    Dropped,
+}
+
+impl LinkState {
+    const ALL: [LinkState; 3] = [
+        LinkState::Serving,
+        LinkState::StaleExport,
+        LinkState::Dropped,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            LinkState::Serving => "serving",
+            LinkState::StaleExport => "stale_export_gateway_healthy",
+            LinkState::Dropped => "dropped",
+        }
+    }
+}
+
+fn publish_state(metrics: &ControlMetrics, cluster: &str, now: LinkState) {
+    for state in LinkState::ALL {
+        metrics
+            .links
+            .get_or_create(&LinkLabels {
+                cluster: cluster.to_string(),
+                state: state.label().to_string(),
+            })
+            .set(i64::from(state == now));
+    }
+}
+
+/// The link's state and what goes into the index, from what was seen: the
+/// gateway decides whether the cluster is served, the export (however
+/// old, once the gateway vouches for the cluster) what it serves.
+fn judge(
+    seen: &Seen,
+    gateway: Option<SocketAddr>,
+    priority: u32,
+) -> (LinkState, Option<RemoteCluster>) {
+    let fresh = |t: Instant| t.elapsed() < STALE;
+    let (Some((at, state)), Some(gw_at), Some(gw)) = (&seen.export, seen.gateway_ok, gateway)
+    else {
+        return (LinkState::Dropped, None);
+    };
+    if !fresh(gw_at) {
+        return (LinkState::Dropped, None);
+    }
+    let remote = RemoteCluster {
+        priority,
+        gateway: gw,
+        gateway_identity: (!state.gateway_identity.is_empty())
+            .then(|| state.gateway_identity.clone()),
+        ready: state
+            .services
+            .iter()
+            .map(|s| (s.global_id.clone(), s.ready_endpoints))
+            .collect::<BTreeMap<_, _>>(),
+    };
+    let link_state = if fresh(*at) {
+        LinkState::Serving
+    } else {
+        LinkState::StaleExport
+    };
+    (link_state, Some(remote))
+}
+
+/// Whether the gateway answers within [`PROBE_TIMEOUT`]: an mTLS handshake
+/// in which it proves `identity` (the handshake the gateway expects, so it
+/// has nothing to complain about), or, with no identity to check, a TCP
+/// connect.
+async fn probe_gateway(
+    gw: SocketAddr,
+    identity: Option<String>,
+    config: &Arc<ClientConfig>,
+) -> bool {
+    let probe = async {
+        let tcp = TcpStream::connect(gw).await.ok()?;
+        let Some(name) = identity.and_then(|id| ServerName::try_from(id).ok()) else {
+            return Some(());
+        };
+        let mut tls = tokio_rustls::TlsConnector::from(config.clone())
+            .connect(name, tcp)
+            .await
+            .ok()?;
+        // close_notify, so the gateway sees a clean end, not a broken one.
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut tls).await;
+        Some(())
+    };
+    matches!(
+        tokio::time::timeout(PROBE_TIMEOUT, probe).await,
+        Ok(Some(()))
+    )
 }
 
 async fn follow_export(

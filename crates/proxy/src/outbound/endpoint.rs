@@ -2,7 +2,9 @@
 //! peak-EWMA), connect (moving on to another endpoint when a connection
 //! cannot be made; nothing was sent yet), rewrite the request for the hop
 //! (HTTP/2 to peer proxies, the authority override a gateway needs) and
-//! send it.
+//! send it. A retryable request waiting for its answer gives up on the
+//! endpoint the moment discovery drops it or passive health takes it out
+//! (the route retries it elsewhere), rather than hanging on a dead peer.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -33,6 +35,9 @@ pub(super) struct Attempts<'a> {
     pub authority: &'a str,
     /// The request's HTTP version at its origin.
     pub version: Version,
+    /// Whether the request may be sent again (its body is kept), so an
+    /// attempt may be abandoned for another.
+    pub retryable: bool,
 }
 
 impl Attempts<'_> {
@@ -59,6 +64,7 @@ impl Outbound {
             ref mut tried,
             authority,
             version,
+            retryable,
         } = *ctx;
         // HTTP/2 has no upgrades: an upgrade stays HTTP/1.1 to peers too.
         let upgrade = crate::upgrade::wants_upgrade(&parts.headers);
@@ -101,7 +107,16 @@ impl Outbound {
                 .unwrap_or(authority);
             let req = rewrite_for_hop(parts, body, hop_authority, proto, orig);
             let sent = Instant::now();
-            return match conn.send(req).await {
+            let answer = if retryable {
+                let gone = gone(&ep, svc.balancer.watch());
+                tokio::select! {
+                    answer = conn.send(req) => answer.map_err(|e| e.to_string()),
+                    why = gone => Err(why.to_string()),
+                }
+            } else {
+                conn.send(req).await.map_err(|e| e.to_string())
+            };
+            return match answer {
                 Ok(rsp) if crate::upgrade::switched_unasked(version, &asked, rsp.status()) => {
                     Err(ProxyError::Upstream {
                         addr,
@@ -109,7 +124,17 @@ impl Outbound {
                     })
                 }
                 Ok(rsp) => {
-                    in_flight.observe(sent.elapsed());
+                    let peer_failed = ep.endpoint.meshed
+                        && matches!(rsp.status().as_u16(), 502 | 503)
+                        && rsp.headers().contains_key(PROXY_ERROR);
+                    if peer_failed {
+                        // Its proxy answered that it could not serve: a
+                        // failure, and not a latency sample (a fast error
+                        // would attract traffic).
+                        ep.request_failed();
+                    } else {
+                        in_flight.observe(sent.elapsed());
+                    }
                     let (mut parts, body) = rsp.into_parts();
                     strip_hop_by_hop_response(parts.status, &mut parts.headers);
                     // linkerd2-proxy's inbound marks its answer to a marked
@@ -121,12 +146,9 @@ impl Outbound {
                     }
                     Ok((Response::from_parts(parts, body.boxed()), hop))
                 }
-                Err(e) => {
-                    ep.mark_failed();
-                    Err(ProxyError::Upstream {
-                        addr,
-                        reason: e.to_string(),
-                    })
+                Err(reason) => {
+                    ep.request_failed();
+                    Err(ProxyError::Upstream { addr, reason })
                 }
             };
         }
@@ -176,5 +198,35 @@ impl Outbound {
         strip_hop_by_hop_response(parts.status, &mut parts.headers);
         parts.headers.remove(PROXY_ERROR);
         Ok((Response::from_parts(parts, body.boxed()), tls))
+    }
+}
+
+/// Resolves, with the reason, when the request in flight on `ep` should be
+/// given up: passive health took the endpoint out, or discovery (`rx`, the
+/// service's endpoints) no longer lists it — a cluster unlinked, a pod
+/// gone. Created before the request is sent, so nothing in between is
+/// missed.
+fn gone(
+    ep: &EndpointHandle,
+    mut rx: tokio::sync::watch::Receiver<crate::discovery::Resolution>,
+) -> impl std::future::Future<Output = &'static str> + Send + 'static {
+    let taken_out = ep.health.aborted();
+    let addr = ep.endpoint.addr;
+    let dropped = async move {
+        loop {
+            if !rx.borrow_and_update().endpoints.contains_key(&addr) {
+                return;
+            }
+            if rx.changed().await.is_err() {
+                // The service is gone; the request's own timeout bounds it.
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    async move {
+        tokio::select! {
+            _ = taken_out => "abandoned: the endpoint was taken out by passive health",
+            _ = dropped => "abandoned: discovery dropped the endpoint",
+        }
     }
 }

@@ -101,7 +101,12 @@ impl Outbound {
         };
         let (mut rsp, hop) = result.unwrap_or_else(|e| {
             tracing::debug!(authority = %label, error = %e, "outbound request failed");
-            (error_response(&e, grpc), Hop::default())
+            // Under mandatory TLS no hop is ever plaintext, failed or not.
+            let hop = Hop {
+                tls: self.connector.is_mandatory(),
+                ..Hop::default()
+            };
+            (error_response(&e, grpc), hop)
         });
         if let Some(upgrade) = upgrade {
             upgrade.splice(&mut rsp);

@@ -229,6 +229,7 @@ impl Outbound {
             tried: Vec::new(),
             authority,
             version,
+            retryable: kept.is_some(),
         };
         let mut retries = 0;
         loop {

@@ -87,7 +87,7 @@ impl Service {
             budget,
             response_timeout,
             authority: authority.into(),
-            balancer: Balancer::new(rx, connector),
+            balancer: Balancer::new(rx, connector, metrics.endpoint_ejections.clone()),
             last_used: Mutex::new(Instant::now()),
             failfast,
             queue: Semaphore::new(max_pending),
@@ -107,7 +107,7 @@ impl Service {
             budget: Arc::new(crate::retry::RetryBudget::new(Default::default())),
             response_timeout: watch::Sender::new(None),
             authority: authority.into(),
-            balancer: Balancer::new(rx, connector),
+            balancer: Balancer::new(rx, connector, Default::default()),
             last_used: Mutex::new(Instant::now()),
             failfast: watch::channel(false).1,
             queue: Semaphore::new(0),
@@ -355,6 +355,7 @@ impl ServiceCache {
                 .discovery_endpoints
                 .get_or_create(&labels)
                 .set(endpoints as i64);
+            crate::health::export_states(authority, &s.balancer.endpoints(), metrics);
             true
         });
         let len = services.len();
@@ -383,6 +384,7 @@ fn forget(authority: &str, svc: &Service, reason: &str, metrics: &ProxyMetrics) 
     metrics.discovery_age.remove(&labels);
     metrics.discovery_endpoints.remove(&labels);
     metrics.failfast.remove(&labels);
+    crate::health::forget_states(authority, metrics);
     metrics
         .discovery_evictions
         .get_or_create(&ReasonLabels {
