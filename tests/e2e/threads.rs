@@ -19,6 +19,9 @@ async fn runtime_line(flags: &[&str], env: &[(&str, &str)]) -> String {
             "127.0.0.1:0",
             "--admin",
             "127.0.0.1:0",
+            // Without an identity the proxy must be told to speak plaintext
+            // to its control plane, or it refuses to start.
+            "--insecure-control-plane",
         ])
         .args(flags)
         .envs(env.iter().copied())
