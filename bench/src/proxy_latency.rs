@@ -302,7 +302,7 @@ async fn wait_http(addr: SocketAddr, timeout: Duration) -> anyhow::Result<()> {
 /// keep-alive connections (reused across client connections).
 fn haproxy_config(listen: SocketAddr, next: SocketAddr) -> String {
     format!(
-        "global\n  nbthread 1\n  maxconn 20000\n\
+        "global\n  nbthread 1\n  maxconn 4096\n\
          defaults\n  mode http\n  option http-keep-alive\n  http-reuse always\n  \
          timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n\
          frontend in\n  bind {listen}\n  default_backend next\n\
