@@ -965,9 +965,14 @@ fn check_filters(
     Ok(())
 }
 
-/// Checks an HTTP rule; returns its number of matches.
-fn validate_http_rule(field: &str, rule: &HttpRule) -> Result<usize, String> {
-    if let Some(name) = &rule.name {
+/// What HTTP and gRPC rules check alike: the optional name and how many
+/// matches the rule has.
+fn check_rule_name_and_match_count(
+    field: &str,
+    name: Option<&str>,
+    matches: usize,
+) -> Result<(), String> {
+    if let Some(name) = name {
         if !is_dns_subdomain(name) {
             return Err(format!(
                 "field `{field}.name`: {} is not a valid name",
@@ -975,11 +980,12 @@ fn validate_http_rule(field: &str, rule: &HttpRule) -> Result<usize, String> {
             ));
         }
     }
-    check_count(
-        &format!("{field}.matches"),
-        rule.matches.len(),
-        MAX_MATCHES_PER_RULE,
-    )?;
+    check_count(&format!("{field}.matches"), matches, MAX_MATCHES_PER_RULE)
+}
+
+/// Checks an HTTP rule; returns its number of matches.
+fn validate_http_rule(field: &str, rule: &HttpRule) -> Result<usize, String> {
+    check_rule_name_and_match_count(field, rule.name.as_deref(), rule.matches.len())?;
     for (i, m) in rule.matches.iter().enumerate() {
         let f = format!("{field}.matches[{i}]");
         if let Some(p) = &m.path {
@@ -1052,19 +1058,7 @@ fn check_grpc_name(field: &str, name: &str) -> Result<(), String> {
 }
 
 fn validate_grpc_rule(field: &str, rule: &GrpcRule) -> Result<usize, String> {
-    if let Some(name) = &rule.name {
-        if !is_dns_subdomain(name) {
-            return Err(format!(
-                "field `{field}.name`: {} is not a valid name",
-                for_log(name)
-            ));
-        }
-    }
-    check_count(
-        &format!("{field}.matches"),
-        rule.matches.len(),
-        MAX_MATCHES_PER_RULE,
-    )?;
+    check_rule_name_and_match_count(field, rule.name.as_deref(), rule.matches.len())?;
     for (i, m) in rule.matches.iter().enumerate() {
         let f = format!("{field}.matches[{i}]");
         if let Some(method) = &m.method {
