@@ -634,10 +634,17 @@ impl LocalMesh {
     /// `tether load` at 200 requests per second for 2 s to `service` through
     /// the load generator's proxy: the load generator's report.
     pub fn load(&self, authority: &str) -> serde_json::Value {
+        self.load_at(authority, 200, 2)
+    }
+
+    /// `tether load` at `rate` requests per second for `seconds`.
+    pub fn load_at(&self, authority: &str, rate: u32, seconds: u32) -> serde_json::Value {
         let outbound = self.proxy("loadgen").outbound.unwrap().to_string();
+        let (rate, seconds) = (rate.to_string(), seconds.to_string());
         let load = std::process::Command::new(tether())
             .args(["load", "--connect", &outbound, "--authority", authority])
-            .args(["--rate", "200", "--duration", "2", "--concurrency", "16"])
+            .args(["--rate", &rate, "--duration", &seconds])
+            .args(["--concurrency", "16"])
             .output()
             .unwrap();
         assert!(
