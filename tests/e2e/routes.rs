@@ -443,6 +443,64 @@ async fn a_route_retries_what_its_conditions_name() {
 }
 
 #[tokio::test]
+async fn an_attempt_past_backend_request_is_retried_within_the_request_timeout() {
+    // Each attempt may take 300 ms, the whole request 10 s. backendRequest
+    // once bounded all attempts together, so the retry it asked for never
+    // happened and requests that met a slow replica got 504.
+    let mesh = Routed::start(0).await;
+    let b = mesh.scratch.demo_app("web-b", 0).await;
+    mesh.scratch.endpoint("web-b", "web", b.addr("http"), false);
+    let (outbound, web, admin) = (
+        mesh.outbound(),
+        authority("web", 8080),
+        mesh.client.addr("admin"),
+    );
+    mesh.route(
+        "kind: HTTPRoute\nname: web-per-try\nnamespace: test\nparentRefs: [{name: web, port: 8080}]\nrules:\n  \
+         - retry: {codes: [504], attempts: 2}\n    timeouts: {request: 10s, backendRequest: 300ms}\n",
+    );
+    mesh.until_routed("web-per-try").await;
+    let get = || async {
+        send(outbound, &web, Method::GET, "/", &[], Version::HTTP_11)
+            .await
+            .unwrap()
+    };
+    // Both replicas serve (the balancer has seen both fast) before web-b
+    // turns slow: it is then picked again before its latency is known.
+    let a = until(get, |a| a.replica() == "web-b").await;
+    assert_eq!(a.replica(), "web-b", "web-b never served");
+    let slow = send(
+        b.addr("http"),
+        "web-b",
+        Method::GET,
+        "/admin/config?latency_ms=10000",
+        &[],
+        Version::HTTP_11,
+    )
+    .await
+    .unwrap();
+    assert_eq!(slow.status, 200, "web-b did not take its new latency");
+    let retried = || async {
+        metric_value(
+            &metrics(admin).await,
+            "tether_proxy_retries_total",
+            &[("outcome", "retried")],
+        )
+    };
+    let before = retried().await;
+    let mut sent = 0;
+    while retried().await == before {
+        sent += 1;
+        assert!(
+            sent <= 200,
+            "web-b was never picked again: the test proves nothing"
+        );
+        let a = get().await;
+        assert_eq!(a.status, 200, "GET {sent}: {:?}", a.proxy_error());
+    }
+}
+
+#[tokio::test]
 async fn a_90_10_canary_split_lands_within_3_points_over_2000_requests() {
     let mesh = Routed::start(0).await;
     mesh.route(

@@ -634,13 +634,9 @@ async fn every_policy_is_one_linkerd2_proxy_accepts_and_says_what_the_registry_s
                 nanos: 0
             })
         );
-        assert_eq!(
-            timeouts.response,
-            Some(prost_types::Duration {
-                seconds: 2,
-                nanos: 0
-            })
-        );
+        // The rule retries: backendRequest bounds each attempt (the retry's
+        // timeout, checked below), not the attempts together.
+        assert_eq!(timeouts.response, None);
         let retry = api.retry.as_ref().unwrap();
         assert_eq!(retry.max_retries, 2);
         let codes: Vec<(u32, u32)> = retry
@@ -652,6 +648,13 @@ async fn every_policy_is_one_linkerd2_proxy_accepts_and_says_what_the_registry_s
             .map(|r| (r.start, r.end))
             .collect();
         assert_eq!(codes, vec![(502, 502), (503, 503)]);
+        assert_eq!(
+            retry.timeout,
+            Some(prost_types::Duration {
+                seconds: 2,
+                nanos: 0
+            })
+        );
         let Some(http_route::filter::Kind::Redirect(redirect)) = rules[2].filters[0].kind.as_ref()
         else {
             panic!("not a redirect: {:?}", rules[2].filters)

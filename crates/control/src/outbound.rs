@@ -150,13 +150,21 @@ impl Target<'_> {
             })
     }
 
-    fn timeouts(&self, rule: Option<&Timeouts>) -> Option<hr::Timeouts> {
+    /// A rule's timeouts. `backendRequest` bounds one attempt: with a retry
+    /// it is the retry's per-try timeout, and only `request` bounds the
+    /// attempts together (a response timeout would end the request when its
+    /// first attempt times out, and the retry would never happen).
+    fn timeouts(&self, rule: Option<&Timeouts>, retried: bool) -> Option<hr::Timeouts> {
         let Some(t) = rule else {
             return self.service_timeouts();
         };
         Some(hr::Timeouts {
             request: route_duration(t.request.as_deref()).and_then(duration),
-            response: route_duration(t.backend_request.as_deref()).and_then(duration),
+            response: if retried {
+                None
+            } else {
+                backend_timeout(Some(t))
+            },
             idle: None,
         })
     }
@@ -507,7 +515,7 @@ impl Target<'_> {
             filters: rule.filters.iter().map(http_filter).collect(),
             backends,
             request_timeout: None,
-            timeouts: self.timeouts(rule.timeouts.as_ref()),
+            timeouts: self.timeouts(rule.timeouts.as_ref(), retry.is_some()),
             retry,
             allow_l5d_request_headers: false,
         }
@@ -625,7 +633,7 @@ impl Target<'_> {
                 .collect(),
             backends,
             request_timeout: None,
-            timeouts: self.timeouts(rule.timeouts.as_ref()),
+            timeouts: self.timeouts(rule.timeouts.as_ref(), retry.is_some()),
             retry,
             allow_l5d_request_headers: false,
         }
