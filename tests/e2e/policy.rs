@@ -214,3 +214,45 @@ async fn a_denied_tcp_connection_is_closed() {
         "{m}"
     );
 }
+
+/// With `--workload` the proxy follows the control plane's answer for its
+/// port; a default answer (no `Server` selects the port) combines with the
+/// proxy's own default, so a permissive control plane opens nothing the
+/// flag closes.
+#[tokio::test]
+async fn a_workload_follows_the_control_planes_default_and_its_flag_still_applies() {
+    let scratch = Scratch::new();
+    let ca = scratch.identity_init("ca");
+    let control = scratch.control_with_identity("control", &ca, "3600").await;
+    let app = scratch.demo_app("web-0", 0).await;
+    let web = authority("web", 8080);
+    let workload = ["--workload", "test/web-0"];
+    let open = server(
+        &scratch,
+        "open",
+        control.addr("grpc"),
+        &ca,
+        app.addr("http"),
+        &workload,
+    )
+    .await;
+    let closed = server(
+        &scratch,
+        "closed",
+        control.addr("grpc"),
+        &ca,
+        app.addr("http"),
+        &[&workload[..], &["--default-inbound-policy", "deny"]].concat(),
+    )
+    .await;
+    for (proxy, status) in [(&open, 200), (&closed, 403)] {
+        // Ready means the control plane has answered for the port.
+        let m = metrics(proxy.addr("admin")).await;
+        assert_eq!(
+            metric_value(&m, "tether_proxy_inbound_policy_updates_total", &[]),
+            1.0,
+            "{m}"
+        );
+        assert_eq!(get(proxy.addr("inbound"), &web).await.status, status);
+    }
+}

@@ -25,7 +25,7 @@ enum Command {
     /// Run the control plane (Destination, policy) over a registry.
     Control(control::ControlArgs),
     /// Run the sidecar proxy.
-    Proxy(proxy::ProxyArgs),
+    Proxy(Box<proxy::ProxyArgs>),
     /// Run the multicluster gateway: mTLS from other clusters to local global services.
     Gateway(gateway::GatewayArgs),
     /// Run a whole mesh on this machine from a manifest (the built-in demo without one).

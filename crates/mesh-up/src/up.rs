@@ -534,7 +534,9 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
             let app = ctx.spawn(&replica, &app_args, &["http"]).await?;
             let app_addr = app.addr("http");
             let id_name = tether_identity::identity_name(&s.name, ns, &m.cluster_domain);
-            let sidecar_args = proxy_args(Some(app_addr), &id_name)?;
+            let mut sidecar_args = proxy_args(Some(app_addr), &id_name)?;
+            // The control plane answers its inbound policy for this workload.
+            sidecar_args.extend(["--workload".into(), format!("{ns}/{replica}")]);
             let proxy = ctx
                 .spawn(
                     &format!("{replica}-proxy"),

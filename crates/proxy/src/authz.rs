@@ -14,6 +14,10 @@
 //! through, logged (at a bounded rate) and counted, for rolling a policy
 //! out. Denied HTTP requests get 403 (gRPC `PERMISSION_DENIED`) naming the
 //! client and the server; denied TCP connections are closed.
+//!
+//! With `--workload`, the control plane's policy for the port
+//! ([`crate::inbound_policy`]) is followed and combined with the default
+//! ([`Authorizer`]).
 
 use std::collections::HashSet;
 use std::net::IpAddr;
@@ -24,6 +28,9 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
 use tether_core::log_limit::LogLimit;
+use tokio::sync::watch;
+
+use crate::inbound_policy::{Client, Decision, PolicyCounters, ServerPolicy, ServerState};
 
 /// Would-be denials under audit are logged at most this often.
 static AUDIT_LOG: LogLimit = LogLimit::new(Duration::from_secs(5));
@@ -100,6 +107,12 @@ impl std::str::FromStr for Network {
 }
 
 impl Network {
+    /// `addr/prefix`; `None` when the prefix is longer than the address.
+    pub fn new(addr: IpAddr, prefix: u8) -> Option<Self> {
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        (prefix <= max).then_some(Self { addr, prefix })
+    }
+
     pub fn contains(&self, ip: IpAddr) -> bool {
         let ip = match ip {
             IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
@@ -158,6 +171,8 @@ pub enum Verdict {
     Deny(Denial),
     /// Would be denied, let through under audit.
     Audit(Denial),
+    /// No route of the server (named) matches the request: 404.
+    NoRoute(String),
 }
 
 /// Who was (or would have been) refused, and by what.
@@ -165,16 +180,43 @@ pub enum Verdict {
 pub struct Denial {
     /// The client: its verified identity, or "unauthenticated client".
     pub client: String,
-    /// The server: `default:<policy>` for a proxy's default policy.
+    /// The server: `default:<policy>` for a default policy, else the
+    /// `Server`'s name.
     pub server: String,
     pub route: String,
-    /// The authorization that decided: `default:<policy>`.
+    /// What decided: `default:<policy>` for a default policy, `none` when
+    /// no authorization of a `Server` admits the client, the admitting
+    /// authorization under audit.
     pub authz: String,
+}
+
+fn client_name(identity: Option<&str>) -> String {
+    identity.map_or_else(|| "unauthenticated client".into(), str::to_string)
+}
+
+/// A denial, or under audit a denial let through (logged at a bounded
+/// rate).
+fn refuse(denial: Denial, audit: bool, peer: IpAddr) -> Verdict {
+    if audit {
+        if let Some(suppressed) = AUDIT_LOG.allow() {
+            tracing::info!(client = %denial.client, %peer, server = %denial.server, route = %denial.route, authz = %denial.authz, suppressed, "audit: the inbound policy would deny this");
+        }
+        Verdict::Audit(denial)
+    } else {
+        Verdict::Deny(denial)
+    }
 }
 
 impl InboundPolicy {
     /// The verdict for a client with `identity` (from mTLS) connecting from `peer`.
     pub fn check(&self, identity: Option<&str>, peer: IpAddr) -> Verdict {
+        match self.denial(identity, peer) {
+            None => Verdict::Allow,
+            Some(denial) => refuse(denial, self.audit, peer),
+        }
+    }
+
+    fn denial(&self, identity: Option<&str>, peer: IpAddr) -> Option<Denial> {
         let allowed = match self.default {
             DefaultPolicy::AllUnauthenticated => true,
             DefaultPolicy::AllAuthenticated => identity.is_some(),
@@ -184,22 +226,110 @@ impl InboundPolicy {
             DefaultPolicy::Deny => false,
         };
         if allowed {
-            return Verdict::Allow;
+            return None;
         }
         let name = format!("default:{}", self.default.as_str());
-        let denial = Denial {
-            client: identity.map_or_else(|| "unauthenticated client".into(), str::to_string),
+        Some(Denial {
+            client: client_name(identity),
             server: name.clone(),
             route: DEFAULT_ROUTE.into(),
             authz: name,
+        })
+    }
+}
+
+/// The policy in force for the inbound port: the control plane's answer
+/// (`InboundServerPolicies`) when there is one, else the proxy's default
+/// policy. A default the control plane answers (no `Server` selects the
+/// port) is combined with the proxy's: a client must pass both, so
+/// neither default opens what the other closes. `--inbound-policy-audit`
+/// turns every denial into audit.
+#[derive(Clone)]
+pub struct Authorizer {
+    flag: InboundPolicy,
+    server: watch::Receiver<ServerState>,
+}
+
+impl Authorizer {
+    /// `server` follows the control plane's answers; a receiver that never
+    /// changes (the sender dropped) keeps the default policy alone.
+    pub fn new(flag: InboundPolicy, server: watch::Receiver<ServerState>) -> Self {
+        Self { flag, server }
+    }
+
+    /// The proxy's default policy alone.
+    pub fn default_only(flag: InboundPolicy) -> Self {
+        Self::new(flag, watch::channel(None).1)
+    }
+
+    /// The verdict for a connection that carries no HTTP.
+    pub fn check_connection(&self, client: &Client<'_>) -> Verdict {
+        self.verdict(client, |s| s.check_connection(client))
+    }
+
+    /// The verdict for an HTTP request addressed to `authority`.
+    pub fn check_request<B>(
+        &self,
+        req: &http::Request<B>,
+        authority: &str,
+        client: &Client<'_>,
+    ) -> Verdict {
+        self.verdict(client, |s| s.check_request(req, authority, client))
+    }
+
+    /// Waits until the policy in force changes (forever when it cannot).
+    pub async fn changed(&mut self) {
+        if self.server.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    fn verdict(
+        &self,
+        client: &Client<'_>,
+        decide: impl FnOnce(&ServerPolicy) -> Decision,
+    ) -> Verdict {
+        // Cloned out so the watch's lock is not held while deciding.
+        let server = self.server.borrow().clone();
+        let Some(server) = server else {
+            return self.flag.check(client.identity, client.ip);
         };
-        if self.audit {
-            if let Some(suppressed) = AUDIT_LOG.allow() {
-                tracing::info!(client = %denial.client, %peer, server = %denial.server, suppressed, "audit: the inbound policy would deny this");
+        if server.is_default {
+            if let Some(denial) = self.flag.denial(client.identity, client.ip) {
+                return refuse(denial, self.flag.audit, client.ip);
             }
-            Verdict::Audit(denial)
-        } else {
-            Verdict::Deny(denial)
+        }
+        match decide(&server) {
+            Decision::Allowed { audit: false, .. } => Verdict::Allow,
+            Decision::Allowed {
+                audit: true,
+                route,
+                authz,
+            } => refuse(
+                Denial {
+                    client: client_name(client.identity),
+                    server: server.name.clone(),
+                    route,
+                    authz,
+                },
+                true,
+                client.ip,
+            ),
+            Decision::Denied { route } => refuse(
+                Denial {
+                    client: client_name(client.identity),
+                    server: server.name.clone(),
+                    route,
+                    authz: if server.is_default {
+                        server.name.clone()
+                    } else {
+                        "none".into()
+                    },
+                },
+                self.flag.audit,
+                client.ip,
+            ),
+            Decision::NoRoute => Verdict::NoRoute(server.name.clone()),
         }
     }
 }
@@ -216,13 +346,15 @@ pub struct DeniedLabels {
     pub client_id: String,
 }
 
-/// `tether_proxy_inbound_denied_total` and, under audit,
-/// `tether_proxy_inbound_audit_denied_total`.
+/// `tether_proxy_inbound_denied_total`, under audit
+/// `tether_proxy_inbound_audit_denied_total`, and the control plane's
+/// answers applied and refused.
 #[derive(Clone, Default)]
 pub struct AuthzMetrics {
     denied: Family<DeniedLabels, Counter>,
     audited: Family<DeniedLabels, Counter>,
     clients: Arc<Mutex<HashSet<String>>>,
+    pub policies: PolicyCounters,
 }
 
 impl AuthzMetrics {
@@ -236,6 +368,16 @@ impl AuthzMetrics {
             "tether_proxy_inbound_audit_denied",
             "Inbound requests and connections the policy would deny, let through under audit",
             self.audited.clone(),
+        );
+        registry.register(
+            "tether_proxy_inbound_policy_updates",
+            "Inbound policies (InboundServerPolicies answers) applied",
+            self.policies.applied.clone(),
+        );
+        registry.register(
+            "tether_proxy_inbound_policy_refused",
+            "Inbound policies the proxy could not understand and refused (the last good one stayed in force)",
+            self.policies.refused.clone(),
         );
     }
 
@@ -304,6 +446,79 @@ mod tests {
             ..policy(Deny)
         };
         assert!(matches!(audited.check(id, pod), Verdict::Audit(d) if d.server == "default:deny"));
+    }
+
+    fn answer(kind: &str, name: &str, everyone: bool) -> ServerState {
+        use linkerd2_proxy_api::inbound as api;
+        let labels = std::collections::HashMap::from([
+            ("kind".to_string(), kind.to_string()),
+            ("name".to_string(), name.to_string()),
+        ]);
+        let authz = api::Authz {
+            networks: vec![api::Network {
+                net: Some((IpAddr::from([0, 0, 0, 0]), 0u8).into()),
+                except: vec![],
+            }],
+            authentication: Some(api::Authn {
+                permit: Some(api::authn::Permit::Unauthenticated(
+                    api::authn::PermitUnauthenticated {},
+                )),
+            }),
+            labels: labels.clone(),
+            metadata: None,
+        };
+        let server = api::Server {
+            protocol: Some(api::ProxyProtocol {
+                kind: Some(api::proxy_protocol::Kind::Opaque(
+                    api::proxy_protocol::Opaque {},
+                )),
+            }),
+            server_ips: vec![],
+            authorizations: if everyone { vec![authz] } else { vec![] },
+            labels,
+        };
+        Some(Arc::new(ServerPolicy::from_api(server).unwrap()))
+    }
+
+    #[test]
+    fn a_control_plane_default_combines_with_the_proxys_and_a_server_decides_alone() {
+        let pod: IpAddr = "10.1.2.3".parse().unwrap();
+        let plain = Client {
+            identity: None,
+            tls: false,
+            ip: pod,
+        };
+        let verdict = |flag: DefaultPolicy, server: ServerState| {
+            let (_tx, rx) = watch::channel(server);
+            Authorizer::new(policy(flag), rx).check_connection(&plain)
+        };
+        use DefaultPolicy::*;
+        // No answer: the proxy's default alone.
+        assert_eq!(verdict(AllUnauthenticated, None), Verdict::Allow);
+        assert!(matches!(verdict(Deny, None), Verdict::Deny(d) if d.server == "default:deny"));
+        // A default answer: both must admit.
+        let open = || answer("default", "all-unauthenticated", true);
+        assert_eq!(verdict(AllUnauthenticated, open()), Verdict::Allow);
+        assert!(matches!(verdict(Deny, open()), Verdict::Deny(d) if d.authz == "default:deny"));
+        let closed = || answer("default", "deny", false);
+        assert!(
+            matches!(verdict(AllUnauthenticated, closed()), Verdict::Deny(d) if d.server == "default:deny" && d.authz == "default:deny")
+        );
+        // A Server: its authorizations alone.
+        assert_eq!(verdict(Deny, answer("server", "web", true)), Verdict::Allow);
+        assert!(
+            matches!(verdict(AllUnauthenticated, answer("server", "web", false)), Verdict::Deny(d) if d.server == "web" && d.authz == "none" && d.route == "default")
+        );
+        // The audit flag lets any denial through.
+        let (_tx, rx) = watch::channel(answer("server", "web", false));
+        let audited = InboundPolicy {
+            audit: true,
+            ..policy(AllUnauthenticated)
+        };
+        assert!(matches!(
+            Authorizer::new(audited, rx).check_connection(&plain),
+            Verdict::Audit(_)
+        ));
     }
 
     #[test]

@@ -416,6 +416,29 @@ impl Discovery {
         });
     }
 
+    /// Follows the control plane's policy for `workload`'s inbound `port`
+    /// (`InboundServerPolicies.WatchPort`) until `stop`; see
+    /// [`crate::inbound_policy`].
+    pub fn follow_inbound_policy(
+        &self,
+        workload: &crate::inbound_policy::Workload,
+        port: u16,
+        readiness: tether_admin::Readiness,
+        stop: Shutdown,
+    ) -> watch::Receiver<crate::inbound_policy::ServerState> {
+        crate::inbound_policy::Follow {
+            controls: self.controls.clone(),
+            spec: linkerd2_proxy_api::inbound::PortSpec {
+                workload: workload.spec(),
+                port: u32::from(port),
+            },
+            counters: self.metrics.authz.policies.clone(),
+            readiness,
+            first_answer_timeout: self.first_answer_timeout,
+        }
+        .spawn(stop)
+    }
+
     /// Starts resolving `authority`. The stream lives as long as any
     /// receiver does; `stall` asks it to re-subscribe.
     pub fn resolve(&self, authority: &str, stall: Stall) -> watch::Receiver<Resolution> {

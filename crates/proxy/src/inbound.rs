@@ -27,7 +27,7 @@ use tether_core::log_limit::LogLimit;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::authz::{InboundPolicy, Verdict};
+use crate::authz::{Authorizer, InboundPolicy, Verdict};
 use crate::client::EndpointClient;
 use crate::detect::{self, detect, PrefixedIo, Protocol, Unrecognized};
 use crate::errors::ProxyError;
@@ -37,6 +37,7 @@ use crate::http::{
     strip_hop_by_hop_response, strip_mesh_asserted, take_orig_proto, Body, CLIENT_ID,
     L5D_CLIENT_ID, ORIG_PROTO, PROXY_ERROR,
 };
+use crate::inbound_policy::{Client, Workload};
 use crate::metrics::{Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
 use crate::tls::{BoxedIo, Connector, TlsMode};
@@ -107,8 +108,11 @@ pub struct InboundConfig {
     /// The app's port is declared opaque: TCP is forwarded as is, without
     /// detection. Otherwise only HTTP is forwarded and the rest refused.
     pub opaque: bool,
-    /// Who may call the app.
+    /// Who may call the app (the proxy's default policy).
     pub policy: InboundPolicy,
+    /// The workload this proxy fronts: with it, the control plane's
+    /// policy for the app's port is followed (`InboundServerPolicies`).
+    pub workload: Option<Workload>,
 }
 
 pub struct Inbound {
@@ -121,7 +125,7 @@ pub struct Inbound {
     /// The app's port is declared opaque: TCP is forwarded without
     /// detection; otherwise only HTTP is.
     opaque: bool,
-    policy: InboundPolicy,
+    authz: Authorizer,
 }
 
 impl Inbound {
@@ -131,6 +135,7 @@ impl Inbound {
         connect_timeout: Duration,
         tls: Option<Arc<ServerConfig>>,
         mode: TlsMode,
+        authz: Authorizer,
     ) -> Self {
         let connector = Connector::plain(connect_timeout);
         // A peer proxy that offers the transport header's ALPN (as
@@ -152,7 +157,7 @@ impl Inbound {
             tls,
             mode,
             opaque: config.opaque,
-            policy: config.policy.clone(),
+            authz,
         }
     }
 
@@ -355,12 +360,10 @@ impl Inbound {
         let peer = hop
             .peer
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
-        if let Some(denial) = self.authorize(hop, peer) {
-            let error = ProxyError::Unauthorized {
-                client: denial.client,
-                server: denial.server,
-                route: denial.route,
-            };
+        let verdict = self
+            .authz
+            .check_request(&req, &authority, &client_of(hop, peer));
+        if let Some(error) = self.refusal(verdict) {
             return self.metrics.record_response(
                 error_response(&error, grpc),
                 "inbound",
@@ -457,10 +460,10 @@ impl Inbound {
         )
     }
 
-    /// The policy's verdict for the client of `hop`: `Some` denial when it
-    /// is refused (counted), `None` when it may go on (counted under audit).
-    fn authorize(&self, hop: &Hop, peer: SocketAddr) -> Option<crate::authz::Denial> {
-        match self.policy.check(hop.client_id.as_deref(), peer.ip()) {
+    /// What a verdict answers: `Some` error when the request is refused
+    /// (a denial counted), `None` when it may go on (counted under audit).
+    fn refusal(&self, verdict: Verdict) -> Option<ProxyError> {
+        match verdict {
             Verdict::Allow => None,
             Verdict::Audit(denial) => {
                 self.metrics.authz.count(&denial, true);
@@ -468,16 +471,33 @@ impl Inbound {
             }
             Verdict::Deny(denial) => {
                 self.metrics.authz.count(&denial, false);
-                Some(denial)
+                Some(ProxyError::Unauthorized {
+                    client: denial.client,
+                    server: denial.server,
+                    route: denial.route,
+                })
+            }
+            Verdict::NoRoute(server) => Some(ProxyError::NoRoute(server)),
+        }
+    }
+
+    /// Whether the connection's client may connect, as policy says now
+    /// (a denial counted and logged).
+    fn admits_connection(&self, hop: &Hop, peer: SocketAddr) -> bool {
+        let verdict = self.authz.check_connection(&client_of(hop, peer));
+        match self.refusal(verdict) {
+            None => true,
+            Some(error) => {
+                if let Some(suppressed) = REFUSAL_LOG.allow() {
+                    tracing::warn!(%peer, %error, suppressed, "inbound TCP connection denied by policy");
+                }
+                false
             }
         }
     }
 
     async fn forward_tcp(&self, mut client: BoxedIo, prefix: Bytes, peer: SocketAddr, hop: &Hop) {
-        if let Some(denial) = self.authorize(hop, peer) {
-            if let Some(suppressed) = REFUSAL_LOG.allow() {
-                tracing::warn!(%peer, client = %denial.client, server = %denial.server, suppressed, "inbound TCP connection denied by policy");
-            }
+        if !self.admits_connection(hop, peer) {
             let _ = client.shutdown().await;
             return;
         }
@@ -491,7 +511,23 @@ impl Inbound {
         if !prefix.is_empty() && app.write_all(&prefix).await.is_err() {
             return;
         }
-        if let Ok((up, down)) = tokio::io::copy_bidirectional(&mut client, &mut app).await {
+        // A policy change that denies the client closes the connection.
+        let mut policy = self.authz.clone();
+        let copied = {
+            let copy = tokio::io::copy_bidirectional(&mut client, &mut app);
+            tokio::pin!(copy);
+            loop {
+                tokio::select! {
+                    copied = &mut copy => break copied,
+                    _ = policy.changed() => {
+                        if !self.admits_connection(hop, peer) {
+                            return;
+                        }
+                    }
+                }
+            }
+        };
+        if let Ok((up, down)) = copied {
             self.metrics
                 .tcp_bytes
                 .get_or_create(&crate::metrics::DirectionLabels {
@@ -499,5 +535,15 @@ impl Inbound {
                 })
                 .inc_by(up + down + prefix.len() as u64);
         }
+    }
+}
+
+/// The client of a connection, as policy sees it: the identity its
+/// verified certificate names, never a header it sent.
+fn client_of(hop: &Hop, peer: SocketAddr) -> Client<'_> {
+    Client {
+        identity: hop.client_id.as_deref(),
+        tls: hop.tls,
+        ip: peer.ip(),
     }
 }

@@ -17,7 +17,8 @@
 //! - [`inbound`]: the inbound listener. [`detect`]s the protocol on the first
 //!   bytes and forwards HTTP to the local app (or, on a port declared
 //!   opaque, TCP without detection); anything else is refused.
-//! - [`authz`]: the inbound authorization policy (default policies, audit).
+//! - [`authz`]: the inbound authorization policy (default policies, audit),
+//!   and [`inbound_policy`], the control plane's policy for the port.
 //! - [`discovery`]: one `Destination.Get` stream per authority, shared by
 //!   every connection that uses it, reconnecting with backoff across
 //!   control-plane replicas, re-subscribing when a stream stalls.
@@ -65,6 +66,7 @@ pub mod health;
 pub mod http;
 pub mod identity;
 pub mod inbound;
+pub mod inbound_policy;
 pub mod intercept;
 pub mod metrics;
 pub mod outbound;

@@ -745,14 +745,7 @@ impl Route {
                 let matches = rule
                     .matches
                     .into_iter()
-                    .map(|m: grpc_api::GrpcRouteMatch| {
-                        let rpc = m.rpc.ok_or_else(|| invalid("gRPC match without rpc"))?;
-                        Ok(RequestMatch::Grpc {
-                            service: (!rpc.service.is_empty()).then_some(rpc.service),
-                            method: (!rpc.method.is_empty()).then_some(rpc.method),
-                            headers: header_matches(m.headers)?,
-                        })
-                    })
+                    .map(grpc_match)
                     .collect::<Result<_, PolicyError>>()?;
                 Ok(Rule {
                     matches,
@@ -775,6 +768,71 @@ impl Route {
             rules,
         })
     }
+
+    /// A route of an inbound server (`InboundServerPolicies`), matched as
+    /// outbound routes are; it carries no filters, backends, timeouts or
+    /// retries (the inbound forwards to its one app). `rules` are each
+    /// rule's matches.
+    pub fn inbound_http(
+        name: Arc<str>,
+        hosts_: Vec<api::HostMatch>,
+        rules: Vec<Vec<api::HttpRouteMatch>>,
+    ) -> Result<Self, PolicyError> {
+        Self::inbound(name, hosts_, rules, http_match, false)
+    }
+
+    /// As [`Route::inbound_http`], for a gRPC route.
+    pub fn inbound_grpc(
+        name: Arc<str>,
+        hosts_: Vec<api::HostMatch>,
+        rules: Vec<Vec<grpc_api::GrpcRouteMatch>>,
+    ) -> Result<Self, PolicyError> {
+        Self::inbound(name, hosts_, rules, grpc_match, true)
+    }
+
+    fn inbound<M>(
+        name: Arc<str>,
+        hosts_: Vec<api::HostMatch>,
+        rules: Vec<Vec<M>>,
+        convert: fn(M) -> Result<RequestMatch, PolicyError>,
+        grpc: bool,
+    ) -> Result<Self, PolicyError> {
+        let in_route = |e: PolicyError| invalid(format_args!("route {}: {e}", shown_name(&name)));
+        if rules.is_empty() {
+            return Err(in_route(invalid("no rules")));
+        }
+        let rules = rules
+            .into_iter()
+            .map(|matches| {
+                Ok(Rule {
+                    matches: matches.into_iter().map(convert).collect::<Result<_, _>>()?,
+                    filters: Vec::new(),
+                    backends: Backends {
+                        list: Vec::new(),
+                        first_available: false,
+                    },
+                    timeouts: Timeouts::default(),
+                    retry: None,
+                    grpc,
+                })
+            })
+            .collect::<Result<_, PolicyError>>()
+            .map_err(in_route)?;
+        Ok(Route {
+            hosts: hosts(hosts_).map_err(in_route)?,
+            name,
+            rules,
+        })
+    }
+}
+
+fn grpc_match(m: grpc_api::GrpcRouteMatch) -> Result<RequestMatch, PolicyError> {
+    let rpc = m.rpc.ok_or_else(|| invalid("gRPC match without rpc"))?;
+    Ok(RequestMatch::Grpc {
+        service: (!rpc.service.is_empty()).then_some(rpc.service),
+        method: (!rpc.method.is_empty()).then_some(rpc.method),
+        headers: header_matches(m.headers)?,
+    })
 }
 
 // === matching ===

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use tether_admin::{bind, Shutdown};
 
+use crate::authz::Authorizer;
 use crate::bootstrap::{Bootstrap, BootstrapConfig};
 use crate::inbound::{Inbound, InboundConfig};
 use crate::outbound::forward::Unavailable;
@@ -45,6 +46,19 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
         upstream_listeners.push((bind("upstream", *addr).await?, authority.clone()));
     }
     let boot = Bootstrap::new(&config.bootstrap).await?;
+    // Before the readiness conditions are complete (`background.start`).
+    let authz = config.inbound.as_ref().map(|inbound| {
+        let server = match &inbound.workload {
+            Some(workload) => boot.discovery.follow_inbound_policy(
+                workload,
+                inbound.app.port(),
+                boot.readiness.clone(),
+                shutdown.clone(),
+            ),
+            None => tokio::sync::watch::channel(None).1,
+        };
+        Authorizer::new(inbound.policy.clone(), server)
+    });
     let outbound = Arc::new(Outbound::new(
         boot.discovery,
         boot.metrics.clone(),
@@ -68,13 +82,15 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
             limits.clone(),
         )));
     }
-    if let (Some(listener), Some(inbound)) = (inbound_listener, &config.inbound) {
+    if let (Some(listener), Some(inbound), Some(authz)) = (inbound_listener, &config.inbound, authz)
+    {
         let inbound = Arc::new(Inbound::new(
             inbound,
             boot.metrics.clone(),
             config.bootstrap.connect_timeout,
             boot.server_tls,
             config.bootstrap.tls_mode,
+            authz,
         ));
         tasks.push(tokio::spawn(inbound.serve(
             listener,

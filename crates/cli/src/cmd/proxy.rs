@@ -49,6 +49,11 @@ pub struct ProxyArgs {
     /// Networks whose plaintext clients cluster-authenticated admits.
     #[arg(long, value_delimiter = ',', default_value = tether_proxy::authz::DEFAULT_CLUSTER_NETWORKS)]
     cluster_networks: Vec<tether_proxy::authz::Network>,
+    /// The workload this proxy fronts, NAMESPACE/NAME (the registry
+    /// endpoint's `name`): the proxy then follows the control plane's
+    /// inbound policy for the app's port (docs/policy.md).
+    #[arg(long, env = "TETHER_PROXY_WORKLOAD", requires = "app")]
+    workload: Option<tether_proxy::inbound_policy::Workload>,
     /// A local listener pinned to one service: LISTEN=AUTHORITY (repeatable).
     /// Opaque TCP when the service port is opaque, HTTP otherwise.
     #[arg(long, value_parser = parse_upstream)]
@@ -135,6 +140,7 @@ impl ProxyArgs {
                     audit: self.inbound_policy_audit,
                     cluster_networks: self.cluster_networks,
                 },
+                workload: self.workload,
             }),
         })
     }
