@@ -256,3 +256,66 @@ async fn a_workload_follows_the_control_planes_default_and_its_flag_still_applie
         assert_eq!(get(proxy.addr("inbound"), &web).await.status, status);
     }
 }
+
+/// Makes `addr` (a sidecar's inbound, certified as `identity`) the
+/// endpoint `name` of service `web`, so client proxies reach it over mTLS.
+fn meshed_endpoint(scratch: &Scratch, name: &str, addr: SocketAddr, identity: &str) {
+    scratch.write(
+        &format!("{name}.yaml"),
+        &format!(
+            "kind: Endpoints\nservice: web\nnamespace: test\nendpoints: [{{address: \"{addr}\", identity: {identity}, name: {name}}}]\n"
+        ),
+    );
+}
+
+/// A gRPC client through its own sidecar (mTLS between the proxies) gets
+/// PERMISSION_DENIED naming itself and the server, not an HTTP 403.
+#[tokio::test]
+async fn a_denied_grpc_call_gets_permission_denied_through_the_mesh() {
+    let scratch = Scratch::new();
+    let ca = scratch.identity_init("ca");
+    scratch.service("web", 8080, false);
+    let control = scratch.control_with_identity("control", &ca, "3600").await;
+    let app = scratch.demo_app("web-0", 0).await;
+    let web_proxy = server(
+        &scratch,
+        "web-0-proxy",
+        control.addr("grpc"),
+        &ca,
+        app.addr("http"),
+        &["--default-inbound-policy", "all-authenticated"],
+    )
+    .await;
+    meshed_endpoint(&scratch, "web-0", web_proxy.addr("inbound"), SERVER);
+    let client_args = scratch.identity_args(&ca, CLIENT, &ca);
+    let client_args: Vec<&str> = client_args.iter().map(String::as_str).collect();
+    let client = scratch
+        .proxy("client", control.addr("grpc"), None, &client_args)
+        .await;
+    wait_ready(client.addr("admin")).await;
+    let web = authority("web", 8080);
+    // Allowed through the mesh (mTLS), denied when sent in plaintext
+    // straight to the inbound: the same gRPC call, two clients.
+    let meshed = tether_mesh_up::demo_grpc::channel(client.addr("outbound"), &web)
+        .await
+        .unwrap();
+    let reply = tether_mesh_up::demo_grpc::hello(meshed, "mesh").await.unwrap();
+    assert_eq!(reply.message, "hello, mesh");
+    let direct = tether_mesh_up::demo_grpc::channel(web_proxy.addr("inbound"), &web)
+        .await
+        .unwrap();
+    let denied = tether_mesh_up::demo_grpc::hello(direct, "plain")
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+    assert_eq!(
+        denied.message(),
+        "unauthorized: unauthenticated client may not call default:all-authenticated/default"
+    );
+    let m = metrics(web_proxy.addr("admin")).await;
+    assert_eq!(
+        metric_value(&m, "tether_proxy_inbound_denied_total", &[]),
+        1.0,
+        "{m}"
+    );
+}
