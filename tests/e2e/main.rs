@@ -27,6 +27,7 @@ mod policy;
 mod protocols;
 mod registry;
 mod retries;
+mod rotation;
 mod routes;
 mod routes_api;
 mod stat;

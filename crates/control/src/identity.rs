@@ -6,7 +6,7 @@
 //! identity?), issuer (still valid?). Any refusal signs nothing, answers a
 //! gRPC error naming the cause, and is counted by cause.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,9 +14,12 @@ use linkerd2_proxy_api::identity::{identity_server::Identity, CertifyRequest, Ce
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tether_identity::ca::{Issuer, SignError};
+use tether_identity::ca::{Issuer, IssuerProblem, SignError};
 use tether_identity::token::TokenValidator;
+use tether_identity::trust::{FileStamps, Trust, TrustBundle};
+use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -24,10 +27,31 @@ pub struct CauseLabels {
     pub cause: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IssuerLabels {
+    pub issuer: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RootLabels {
+    pub root: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: String,
+}
+
 #[derive(Clone, Default)]
 pub struct IdentityMetrics {
     pub issued: Counter,
     pub refusals: Family<CauseLabels, Counter>,
+    /// 1 for the issuer in use (one series).
+    pub issuer: Family<IssuerLabels, Gauge>,
+    pub issuer_expiry: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// 1 for each root of the trust bundle in force.
+    pub roots: Family<RootLabels, Gauge>,
+    pub reloads: Family<OutcomeLabels, Counter>,
 }
 
 impl IdentityMetrics {
@@ -42,6 +66,51 @@ impl IdentityMetrics {
             "Certify requests refused, by cause (token, identity, csr_name, malformed_csr, issuer_expired, signing)",
             self.refusals.clone(),
         );
+        registry.register(
+            "tether_identity_issuer_info",
+            "The issuer certificates are signed with (its fingerprint), 1",
+            self.issuer.clone(),
+        );
+        registry.register(
+            "tether_identity_issuer_expiry_timestamp_seconds",
+            "When the issuer in use expires (unix seconds)",
+            self.issuer_expiry.clone(),
+        );
+        registry.register(
+            "tether_identity_trust_roots",
+            "The roots of the trust bundle in force (their fingerprints), 1 each",
+            self.roots.clone(),
+        );
+        registry.register(
+            "tether_identity_reloads",
+            "Re-reads of the identity directory after it changed, by outcome (ok, refused)",
+            self.reloads.clone(),
+        );
+    }
+
+    fn in_use(&self, issuer: &Issuer, trust: &Trust) {
+        self.issuer.clear();
+        self.issuer
+            .get_or_create(&IssuerLabels {
+                issuer: issuer.fingerprint().to_string(),
+            })
+            .set(1);
+        self.issuer_expiry
+            .set(tether_identity::ca::unix_secs(issuer.not_after()) as f64);
+        self.roots.clear();
+        for root in &trust.fingerprints {
+            self.roots
+                .get_or_create(&RootLabels { root: root.clone() })
+                .set(1);
+        }
+    }
+
+    fn reloaded(&self, outcome: &str) {
+        self.reloads
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.into(),
+            })
+            .inc();
     }
 
     fn refuse(&self, cause: &str, status: Status) -> Status {
@@ -57,7 +126,8 @@ impl IdentityMetrics {
 
 #[derive(Clone)]
 pub struct IdentityService {
-    pub issuer: Arc<Issuer>,
+    /// The issuer in use, replaced when the identity directory changes.
+    pub issuer: watch::Receiver<Arc<Issuer>>,
     pub tokens: Tokens,
     pub leaf_lifetime: Duration,
     pub metrics: IdentityMetrics,
@@ -68,6 +138,10 @@ pub struct IdentityService {
 pub enum StartError {
     #[error("identity: {0}")]
     Issuer(#[from] tether_identity::ca::LoadError),
+    #[error("identity: {0}")]
+    Bundle(#[from] tether_identity::tls::TlsError),
+    #[error("identity: {0}")]
+    Unchained(IssuerProblem),
     #[error("identity: reading bootstrap token secret: {0}")]
     TokenSecret(#[source] std::io::Error),
 }
@@ -77,12 +151,13 @@ impl IdentityService {
     /// its issuer signs; tokens are ServiceAccount tokens checked through
     /// `token_review` when given, else local tokens from `dir`'s secret.
     pub fn load(
-        dir: &Path,
+        source: &IdentitySource,
         token_review: Option<KubeTokenReview>,
         leaf_lifetime: Duration,
         metrics: IdentityMetrics,
     ) -> Result<Self, StartError> {
-        let issuer = Arc::new(Issuer::load(dir)?);
+        let dir = source.dir.as_path();
+        let issuer = source.issuer();
         let tokens = match token_review {
             Some(review) => Tokens::Kubernetes(review),
             None => Tokens::Local(Arc::new(
@@ -96,6 +171,99 @@ impl IdentityService {
             leaf_lifetime,
             metrics,
         })
+    }
+}
+
+/// The identity directory a control plane signs from: the issuer in use
+/// and the trust bundle, both replaced together when the directory
+/// changes and the new pair is valid ([`IdentitySource::follow`]).
+pub struct IdentitySource {
+    pub dir: PathBuf,
+    issuer: watch::Sender<Arc<Issuer>>,
+    pub bundle: Arc<TrustBundle>,
+}
+
+/// How often the identity directory is looked at. A change is read once
+/// it has stayed the same for one look, so it applies within two.
+pub const IDENTITY_POLL: Duration = Duration::from_millis(500);
+
+/// A directory's issuer and bundle, checked against each other.
+fn read_identity(dir: &Path) -> Result<(Issuer, Trust), StartError> {
+    let issuer = Issuer::load(dir)?;
+    let trust = Trust::read(&dir.join(tether_identity::ca::CA_CERT))?;
+    Ok((issuer, trust))
+}
+
+impl IdentitySource {
+    /// Reads `dir`. An expired issuer is let through (Certify then refuses
+    /// with `FAILED_PRECONDITION`, which says what to do); an issuer that
+    /// does not chain to the bundle is not.
+    pub fn load(dir: &Path, metrics: &IdentityMetrics) -> Result<Self, StartError> {
+        let (issuer, trust) = read_identity(dir)?;
+        match issuer.check(&trust) {
+            Ok(()) => {}
+            Err(expired @ IssuerProblem::Expired { .. }) => {
+                tracing::error!(error = %expired, "identity: the issuer has expired; Certify will refuse")
+            }
+            Err(problem) => return Err(StartError::Unchained(problem)),
+        }
+        metrics.in_use(&issuer, &trust);
+        tracing::info!(issuer = %issuer.fingerprint(), not_after = tether_identity::ca::unix_secs(issuer.not_after()), roots = ?trust.fingerprints, "identity: issuer in use");
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            issuer: watch::channel(Arc::new(issuer)).0,
+            bundle: TrustBundle::new(trust),
+        })
+    }
+
+    /// The issuer in use, following every replacement.
+    pub fn issuer(&self) -> watch::Receiver<Arc<Issuer>> {
+        self.issuer.subscribe()
+    }
+
+    /// Re-reads the directory whenever it changes, until `shutdown`: a new
+    /// issuer and bundle are put in force together if the issuer is valid
+    /// now and chains to a root of the bundle; otherwise the change is
+    /// refused with the reason and the last good pair stays.
+    pub async fn follow(self, metrics: IdentityMetrics, shutdown: tether_admin::Shutdown) {
+        use tether_identity::ca::{CA_CERT, ISSUER_CERT, ISSUER_KEY};
+        let mut stamps = FileStamps::new(
+            [ISSUER_CERT, ISSUER_KEY, CA_CERT]
+                .iter()
+                .map(|f| self.dir.join(f))
+                .collect(),
+        );
+        let mut tick = tokio::time::interval(IDENTITY_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.triggered() => return,
+            }
+            if !stamps.changed() {
+                continue;
+            }
+            let checked = read_identity(&self.dir).and_then(|(issuer, trust)| {
+                issuer.check(&trust).map_err(StartError::Unchained)?;
+                Ok((issuer, trust))
+            });
+            match checked {
+                Ok((issuer, trust)) => {
+                    metrics.reloaded("ok");
+                    metrics.in_use(&issuer, &trust);
+                    tracing::info!(issuer = %issuer.fingerprint(), not_after = tether_identity::ca::unix_secs(issuer.not_after()), roots = ?trust.fingerprints, "identity: issuer in use");
+                    self.bundle.install(trust);
+                    if issuer.fingerprint() != self.issuer.borrow().fingerprint() {
+                        self.issuer.send_replace(Arc::new(issuer));
+                    }
+                }
+                Err(e) => {
+                    metrics.reloaded("refused");
+                    let kept = self.issuer.borrow().fingerprint().to_string();
+                    tracing::error!(error = %e, issuer = %kept, "identity: the changed identity directory is refused; the issuer in use stays");
+                }
+            }
+        }
     }
 }
 
@@ -210,8 +378,8 @@ impl Identity for IdentityService {
                 )),
             ));
         }
-        let issued = self
-            .issuer
+        let issuer = self.issuer.borrow().clone();
+        let issued = issuer
             .sign(
                 &req.certificate_signing_request,
                 &allowed,

@@ -17,7 +17,7 @@ use tonic::service::interceptor::InterceptedService;
 
 use crate::channel::{Access, ChannelSecurity, Require};
 use crate::destination::{DestinationService, Subscriptions};
-use crate::identity::{IdentityMetrics, IdentityService, KubeTokenReview};
+use crate::identity::{IdentityMetrics, IdentityService, IdentitySource, KubeTokenReview};
 use crate::index::Index;
 use crate::metrics::ControlMetrics;
 use crate::multicluster::{Multicluster, MulticlusterConfig, MulticlusterError};
@@ -146,15 +146,19 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     config.validate()?;
     let backend = config.registry.connect().await?;
     let identity_metrics = IdentityMetrics::default();
-    let identity = match &config.identity_dir {
-        Some(dir) => {
+    let source = match &config.identity_dir {
+        Some(dir) => Some(IdentitySource::load(dir, &identity_metrics)?),
+        None => None,
+    };
+    let identity = match &source {
+        Some(source) => {
             let token_review = backend.kube_client().map(|client| KubeTokenReview {
                 client: client.clone(),
                 audience: config.token_audience.clone(),
                 trust_domain: config.cluster_domain.clone(),
             });
             Some(IdentityService::load(
-                dir,
+                source,
                 token_review,
                 config.leaf_lifetime,
                 identity_metrics.clone(),
@@ -162,13 +166,12 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         }
         None => None,
     };
-    let issuer = identity.as_ref().map(|service| service.issuer.clone());
-    let security = channel_security(&config, issuer.clone())?;
+    let security = channel_security(&config, source.as_ref())?;
     let multicluster = Multicluster::prepare(
         &config.multicluster,
         config.cluster.as_deref(),
         &config.cluster_domain,
-        config.identity_dir.as_deref().zip(issuer),
+        source.as_ref(),
     )?;
 
     let grpc = bind("grpc", config.grpc_addr).await?;
@@ -198,6 +201,9 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         shutdown.clone(),
     ));
 
+    if let Some(source) = source {
+        tokio::spawn(source.follow(identity_metrics.clone(), shutdown.clone()));
+    }
     let (loaded, loaded_rx) = when_loaded(readiness);
     let mut registry_task = backend.spawn(
         index.clone(),
@@ -256,14 +262,14 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
 /// background), unless `--insecure-control-plane` without an identity.
 fn channel_security(
     config: &ControlConfig,
-    issuer: Option<Arc<tether_identity::ca::Issuer>>,
+    source: Option<&IdentitySource>,
 ) -> Result<ChannelSecurity, ControlError> {
-    let tls = match (config.identity_dir.as_deref(), issuer) {
-        (Some(dir), Some(issuer)) => {
+    let tls = match source {
+        Some(source) => {
             let failed = |e: &dyn std::fmt::Display| ControlError::ChannelTls(e.to_string());
             let store = tether_identity::tls::CertStore::new();
             let certified = crate::multicluster::tls::self_certify(
-                issuer,
+                source.issuer(),
                 config.control_identity.clone(),
                 store.clone(),
             );
@@ -279,9 +285,7 @@ fn channel_security(
                 }
                 Err(e) => return Err(failed(&e)),
             }
-            let roots = tether_identity::tls::load_roots(&dir.join(tether_identity::ca::CA_CERT))
-                .map_err(|e| failed(&e))?;
-            let server = tether_identity::control::server_config(store, Arc::new(roots))
+            let server = tether_identity::control::server_config(store, source.bundle.clone())
                 .map_err(|e| failed(&e))?;
             tracing::info!(identity = %config.control_identity, plaintext_too = config.insecure_control_plane, "gRPC port serves TLS");
             Some(server)

@@ -617,7 +617,10 @@ async fn certify_checks_service_account_tokens_through_token_review() {
     let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
     let metrics = IdentityMetrics::default();
     let svc = IdentityService {
-        issuer: Arc::new(tether_identity::ca::Issuer::load(dir.path()).unwrap()),
+        issuer: tokio::sync::watch::channel(Arc::new(
+            tether_identity::ca::Issuer::load(dir.path()).unwrap(),
+        ))
+        .1,
         tokens: Tokens::Kubernetes(KubeTokenReview {
             client,
             audience: "tether.io".into(),

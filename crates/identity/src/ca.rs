@@ -105,7 +105,7 @@ pub struct InitReport {
     pub issuer_expires: SystemTime,
 }
 
-fn write(path: &Path, contents: &str, secret: bool) -> Result<(), InitError> {
+pub(crate) fn write(path: &Path, contents: &str, secret: bool) -> Result<(), InitError> {
     let err = |source| InitError::Write {
         path: path.to_path_buf(),
         source,
@@ -119,7 +119,7 @@ fn write(path: &Path, contents: &str, secret: bool) -> Result<(), InitError> {
     std::fs::rename(&tmp, path).map_err(err)
 }
 
-fn ca_params(
+pub(crate) fn ca_params(
     common_name: &str,
     lifetime: Duration,
     constraint: BasicConstraints,
@@ -193,6 +193,27 @@ pub struct Issuer {
     issuer: rcgen::Issuer<'static, KeyPair>,
     issuer_der: Vec<u8>,
     not_after: SystemTime,
+    fingerprint: String,
+}
+
+/// Why an issuer cannot be used with a trust bundle.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IssuerProblem {
+    #[error("issuer certificate {fingerprint} expired at {not_after} (unix seconds)")]
+    Expired { fingerprint: String, not_after: u64 },
+    #[error("issuer certificate {fingerprint} does not chain to any root in the trust bundle ({roots}): {reason}")]
+    Unchained {
+        fingerprint: String,
+        roots: String,
+        reason: String,
+    },
+}
+
+/// Unix seconds, for messages.
+pub fn unix_secs(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn read(path: &Path) -> Result<String, LoadError> {
@@ -227,6 +248,12 @@ impl Issuer {
             .ok_or_else(|| invalid(&cert_path, "no certificate in file".into()))?;
         let not_after = crate::cert::not_after(&issuer_der)
             .ok_or_else(|| invalid(&cert_path, "unreadable validity period".into()))?;
+        if !key_matches(&key, &issuer_der) {
+            return Err(invalid(
+                &key_path,
+                format!("the key does not match the certificate in {ISSUER_CERT} (a new issuer needs both files)"),
+            ));
+        }
         let issuer = rcgen::Issuer::from_ca_cert_pem(&cert_pem, key).map_err(|e| {
             invalid(
                 &cert_path,
@@ -237,6 +264,7 @@ impl Issuer {
         read(&dir.join(CA_CERT))?;
         Ok(Self {
             issuer,
+            fingerprint: crate::trust::fingerprint(&issuer_der),
             issuer_der,
             not_after,
         })
@@ -244,6 +272,38 @@ impl Issuer {
 
     pub fn not_after(&self) -> SystemTime {
         self.not_after
+    }
+
+    /// The issuer certificate's [`crate::trust::fingerprint`].
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// Whether this issuer is valid now and chains to a root of `trust`:
+    /// it signs a throw-away certificate, which a peer trusting `trust`
+    /// must accept.
+    pub fn check(&self, trust: &crate::trust::Trust) -> Result<(), IssuerProblem> {
+        const PROBE: &str = "issuer-check.tether.invalid";
+        if self.not_after <= SystemTime::now() {
+            return Err(IssuerProblem::Expired {
+                fingerprint: self.fingerprint.clone(),
+                not_after: unix_secs(self.not_after),
+            });
+        }
+        let unchained = |reason: String| IssuerProblem::Unchained {
+            fingerprint: self.fingerprint.clone(),
+            roots: trust.fingerprints.join(", "),
+            reason,
+        };
+        let probe = crate::csr::generate(PROBE).map_err(|e| unchained(e.to_string()))?;
+        let issued = self
+            .sign(&probe.csr_der, PROBE, Duration::from_secs(60))
+            .map_err(|e| unchained(e.to_string()))?;
+        let chain: Vec<rustls::pki_types::CertificateDer> = std::iter::once(issued.leaf_der)
+            .chain(issued.chain)
+            .map(Into::into)
+            .collect();
+        trust.verifies(&chain, PROBE).map_err(unchained)
     }
 
     /// Signs `csr_der` into a leaf for `identity` valid for `lifetime`
@@ -308,6 +368,15 @@ impl Issuer {
             valid_until,
         })
     }
+}
+
+/// Whether `key` is the key of the certificate `cert_der`.
+fn key_matches(key: &KeyPair, cert_der: &[u8]) -> bool {
+    use rcgen::PublicKeyData;
+    use x509_parser::prelude::FromDer;
+    x509_parser::certificate::X509Certificate::from_der(cert_der)
+        .map(|(_, cert)| cert.public_key().subject_public_key.data.as_ref() == key.der_bytes())
+        .unwrap_or(false)
 }
 
 pub struct Issued {

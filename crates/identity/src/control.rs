@@ -21,12 +21,12 @@ use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
-use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::tls::{explain, provider, CertStore, TlsError};
+use crate::trust::{BundleClientVerifier, BundleServerVerifier, TrustBundle};
 
 /// The service account the control plane runs as.
 pub const CONTROL_ACCOUNT: &str = "tether-control";
@@ -69,12 +69,12 @@ pub fn trust_domain_of(identity: &str) -> Option<&str> {
 /// (whether one is required is decided per API, after the handshake).
 pub fn server_config(
     store: Arc<CertStore>,
-    roots: Arc<RootCertStore>,
+    bundle: Arc<TrustBundle>,
 ) -> Result<Arc<ServerConfig>, TlsError> {
-    let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider())
-        .allow_unauthenticated()
-        .build()
-        .map_err(|e| TlsError::Config(e.to_string()))?;
+    let verifier = Arc::new(BundleClientVerifier {
+        bundle,
+        optional: true,
+    });
     let mut config = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError::Config(e.to_string()))?
@@ -105,6 +105,16 @@ impl ControlTls {
         store: Arc<CertStore>,
         roots: Arc<RootCertStore>,
     ) -> Result<Arc<Self>, TlsError> {
+        Self::trusting(expected, store, TrustBundle::fixed(roots)?)
+    }
+
+    /// As [`ControlTls::new`], verifying against `bundle`'s roots at every
+    /// handshake (a re-read bundle applies to the next connection).
+    pub fn trusting(
+        expected: &str,
+        store: Arc<CertStore>,
+        bundle: Arc<TrustBundle>,
+    ) -> Result<Arc<Self>, TlsError> {
         let server_name = ServerName::try_from(expected.to_string()).map_err(|_| {
             TlsError::Config(format!(
                 "control-plane identity {} is not a DNS-like name",
@@ -114,7 +124,8 @@ impl ControlTls {
         let mut config = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| TlsError::Config(e.to_string()))?
-            .with_root_certificates(roots)
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(BundleServerVerifier(bundle)))
             .with_client_cert_resolver(store.clone());
         config.alpn_protocols = vec![ALPN_H2.to_vec()];
         // See `server_config`: never resume a session made without a certificate.

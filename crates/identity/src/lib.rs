@@ -10,6 +10,9 @@
 //! - [`control`]: the channel between proxies and the control plane: the
 //!   control plane's identity, its TLS configurations, and a tonic channel
 //!   that verifies it.
+//! - [`rotation`]: rotating the issuer and the trust root step by step.
+//! - [`trust`]: the trust bundle (one or more roots), re-read in place,
+//!   and the verifiers that consult it at every handshake.
 //! - [`tls`]: rustls client and server configurations that present the
 //!   current certificate (replaced in place on renewal) and verify peers
 //!   against the trust root.
@@ -23,8 +26,10 @@ pub mod ca;
 pub mod cert;
 pub mod control;
 pub mod csr;
+pub mod rotation;
 pub mod tls;
 pub mod token;
+pub mod trust;
 
 /// The identity of a workload's service account.
 pub fn identity_name(account: &str, namespace: &str, trust_domain: &str) -> String {

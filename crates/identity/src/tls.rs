@@ -14,9 +14,11 @@ use std::time::SystemTime;
 use rustls::client::ResolvesClientCert;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls::{ClientConfig, RootCertStore, ServerConfig, SignatureScheme};
+
+use crate::trust::{BundleClientVerifier, BundleServerVerifier, TrustBundle};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -118,6 +120,11 @@ impl CertStore {
         let _ = installed.wait_for(|held| *held).await;
     }
 
+    /// The current certificate's chain, leaf first.
+    pub fn chain(&self) -> Option<Vec<CertificateDer<'static>>> {
+        self.current().map(|c| c.cert.clone())
+    }
+
     pub fn expires(&self) -> Option<SystemTime> {
         self.current.read().unwrap().as_ref().map(|(_, e)| *e)
     }
@@ -145,9 +152,19 @@ pub fn server_config(
     store: Arc<CertStore>,
     roots: Arc<RootCertStore>,
 ) -> Result<Arc<ServerConfig>, TlsError> {
-    let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider())
-        .build()
-        .map_err(|e| TlsError::Config(e.to_string()))?;
+    server_config_trusting(store, TrustBundle::fixed(roots)?)
+}
+
+/// As [`server_config`], verifying clients against `bundle`'s roots at
+/// every handshake (it may be replaced while the configuration lives).
+pub fn server_config_trusting(
+    store: Arc<CertStore>,
+    bundle: Arc<TrustBundle>,
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let verifier = Arc::new(BundleClientVerifier {
+        bundle,
+        optional: false,
+    });
     let config = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError::Config(e.to_string()))?
@@ -162,10 +179,20 @@ pub fn client_config(
     store: Arc<CertStore>,
     roots: Arc<RootCertStore>,
 ) -> Result<Arc<ClientConfig>, TlsError> {
+    client_config_trusting(store, TrustBundle::fixed(roots)?)
+}
+
+/// As [`client_config`], verifying servers against `bundle`'s roots at
+/// every handshake.
+pub fn client_config_trusting(
+    store: Arc<CertStore>,
+    bundle: Arc<TrustBundle>,
+) -> Result<Arc<ClientConfig>, TlsError> {
     let config = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError::Config(e.to_string()))?
-        .with_root_certificates(roots)
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(BundleServerVerifier(bundle)))
         .with_client_cert_resolver(store);
     Ok(Arc::new(config))
 }

@@ -5,7 +5,11 @@
 //! - replicas agree (services and endpoints in their indexes, and, with a
 //!   registry directory, each service's served endpoints);
 //! - the trust root and issuer are valid, and for how long;
-//! - each proxy is ready, holds a certificate, and runs the same version.
+//! - each proxy is ready, holds a certificate, and runs the same version;
+//! - during a rotation (with `--identity`): where it stands, which issuer
+//!   each control plane signs with, and, per proxy, which issuer signed its
+//!   certificate and whether it trusts the new root, so the operator knows
+//!   when the next step is safe.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -37,6 +41,10 @@ impl Report {
         self.warned += 1;
         println!("⚠ {what}\n    hint: {hint}");
     }
+    /// Fine, with what to do next.
+    fn next(&mut self, what: String, next: &str) {
+        println!("✔ {what}\n    next: {next}");
+    }
     fn fail(&mut self, what: String, hint: &str) {
         self.failed += 1;
         println!("✘ {what}\n    hint: {hint}");
@@ -60,6 +68,69 @@ fn expiry(report: &mut Report, what: &str, not_after: Option<SystemTime>, hint: 
             "{what}: valid for {:.0} more days",
             left.as_secs_f64() / 86400.0
         )),
+    }
+}
+
+/// The values of `label` on every sample of `name` (an info metric).
+fn labels(text: &str, name: &str, label: &str) -> Vec<String> {
+    prom::parse(text)
+        .into_iter()
+        .filter(|s| s.name == name && s.value > 0.0)
+        .filter_map(|s| s.label(label).map(str::to_string))
+        .collect()
+}
+
+/// Where a process stands against the identity directory's rotation:
+/// which issuer it uses, and whether it trusts the roots it must.
+fn rotation_of(
+    report: &mut Report,
+    who: &str,
+    text: &str,
+    issuer_metric: &str,
+    status: &tether_identity::rotation::Status,
+) {
+    use tether_identity::rotation::Step;
+    let issuers = labels(text, issuer_metric, "issuer");
+    let roots = labels(text, "tether_identity_trust_roots", "root");
+    match issuers.first() {
+        Some(issuer) if *issuer == status.issuer => {
+            report.ok(format!("{who} uses the current issuer {issuer}"))
+        }
+        Some(issuer) => report.warn(
+            format!("{who} uses issuer {issuer}, not the current issuer {}", status.issuer),
+            "a proxy moves to the new issuer at its next renewal (70% of its certificate's lifetime), \
+             a control plane within a second of the directory changing; wait for it before the next step",
+        ),
+        None => {}
+    }
+    if roots.is_empty() {
+        return;
+    }
+    match (&status.next_root, status.step) {
+        (Some(next), Step::NewRootTrusted | Step::NewIssuer) => {
+            if roots.contains(next) {
+                report.ok(format!("{who} trusts the new root {next}"));
+            } else {
+                report.warn(
+                    format!("{who} does not trust the new root {next} yet (it trusts {})", roots.join(", ")),
+                    "give it the new ca.crt (its --trust-root file; it re-reads it within a second); \
+                     wait for it before `tether identity rotate-issuer`",
+                );
+            }
+        }
+        _ => {
+            let missing: Vec<&String> =
+                status.roots.iter().filter(|r| !roots.contains(r)).collect();
+            let extra: Vec<&String> = roots.iter().filter(|r| !status.roots.contains(r)).collect();
+            if missing.is_empty() && extra.is_empty() {
+                report.ok(format!("{who} trusts exactly the roots of ca.crt"));
+            } else {
+                report.warn(
+                    format!("{who} trusts {}, ca.crt holds {}", roots.join(", "), status.roots.join(", ")),
+                    "give it the current ca.crt (its --trust-root file); it re-reads it within a second",
+                );
+            }
+        }
     }
 }
 
@@ -196,6 +267,38 @@ pub async fn run(o: &CheckOptions) -> anyhow::Result<bool> {
     }
 
     // Identity.
+    let rotation = o
+        .identity
+        .as_ref()
+        .and_then(|dir| tether_identity::rotation::status(dir).ok());
+    if let Some(status) = &rotation {
+        use tether_identity::rotation::Step;
+        let what = match status.step {
+            Step::Steady => format!(
+                "trust roots {}, issuer {}: no root rotation under way",
+                status.roots.join(", "),
+                status.issuer
+            ),
+            Step::NewRootTrusted => format!(
+                "root rotation: step 1 of 3 done (ca.crt trusts the old and the new root {})",
+                status.next_root.as_deref().unwrap_or("?")
+            ),
+            Step::NewIssuer => format!(
+                "root rotation: step 2 of 3 done (issuer {} is from the new root)",
+                status.issuer
+            ),
+        };
+        report.next(what, &status.next());
+        for (control, text) in &views {
+            rotation_of(
+                &mut report,
+                &format!("control plane {control}"),
+                text,
+                "tether_identity_issuer_info",
+                status,
+            );
+        }
+    }
     if let Some(dir) = &o.identity {
         let read = |f: &str| {
             std::fs::read_to_string(dir.join(f))
@@ -207,13 +310,13 @@ pub async fn run(o: &CheckOptions) -> anyhow::Result<bool> {
             &mut report,
             "trust root (ca.crt)",
             read(tether_identity::ca::CA_CERT),
-            "a new root means every proxy needs the new ca.crt: tether identity init --force",
+            "rotate it step by step: tether identity rotate-root --dir DIR (docs/identity.md)",
         );
         expiry(
             &mut report,
             "issuer (issuer.crt)",
             read(tether_identity::ca::ISSUER_CERT),
-            "issue a new issuer from the root and restart the control plane",
+            "tether identity rotate-issuer --dir DIR (the control plane picks it up within a second)",
         );
     }
 
@@ -240,6 +343,15 @@ pub async fn run(o: &CheckOptions) -> anyhow::Result<bool> {
             }
         }
         if let Ok((200, text)) = tether_mesh_up::stats::http_get(*admin, "/metrics").await {
+            if let Some(status) = &rotation {
+                rotation_of(
+                    &mut report,
+                    &format!("proxy {admin}"),
+                    &text,
+                    "tether_identity_cert_issuer_info",
+                    status,
+                );
+            }
             if let Some(secs) = value(&text, "tether_identity_cert_expiry_timestamp_seconds") {
                 let at = SystemTime::UNIX_EPOCH + Duration::from_secs_f64(secs.max(0.0));
                 let left = at.duration_since(SystemTime::now());

@@ -50,7 +50,9 @@ impl ControlAccess {
             tether_identity::control::DEFAULT_NAMESPACE,
             &self.trust_domain,
         );
-        tether_control::multicluster::tls::self_certify(Arc::new(issuer), me, store.clone())
+        // A fixed issuer: the sender goes, and the certificate is renewed on time only.
+        let issuer = tokio::sync::watch::channel(Arc::new(issuer)).1;
+        tether_control::multicluster::tls::self_certify(issuer, me, store.clone())
             .map_err(|e| e.to_string())?;
         let roots = tether_identity::tls::load_roots(&dir.join(tether_identity::ca::CA_CERT))
             .map_err(|e| e.to_string())?;

@@ -13,6 +13,7 @@ use rustls::ServerConfig;
 use tether_admin::{bind, Admin, Readiness, Shutdown};
 use tether_identity::control::ControlTls;
 use tether_identity::tls::CertStore;
+use tether_identity::trust::TrustBundle;
 use tokio::net::TcpListener;
 
 use crate::discovery::{ControlPlanes, Discovery, DiscoverySettings};
@@ -71,7 +72,12 @@ pub struct Background {
     controls: Arc<ControlPlanes>,
     registry: Registry,
     admin: TcpListener,
-    identity: Option<(IdentityConfig, Arc<CertStore>, IdentityMetrics)>,
+    identity: Option<(
+        IdentityConfig,
+        Arc<CertStore>,
+        IdentityMetrics,
+        Arc<TrustBundle>,
+    )>,
     tap: Option<(TcpListener, crate::tap::TapConfig, crate::tap::Tap)>,
     server_tls: Option<Arc<ServerConfig>>,
 }
@@ -85,7 +91,12 @@ impl Bootstrap {
             return Err(ProxyStartError::MandatoryWithoutIdentity);
         }
         let store = CertStore::new();
-        let control_tls = control_tls(config, &store)?;
+        // One bundle for every TLS this process does, re-read in place.
+        let bundle = match &config.identity {
+            Some(id) => Some(TrustBundle::load(&id.trust_root)?),
+            None => None,
+        };
+        let control_tls = control_tls(config, &store, bundle.as_ref())?;
         let controls = ControlPlanes::new(&config.control, control_tls)?;
         let mut registry = Registry::default();
         let metrics = ProxyMetrics::default();
@@ -93,20 +104,21 @@ impl Bootstrap {
         let discovery = Discovery::new(controls.clone(), metrics.clone())
             .with_first_answer_timeout(config.discovery.first_answer_timeout);
         let readiness = Readiness::default();
-        let (client_tls, server_tls, identity) = match &config.identity {
-            Some(id) => {
+        let (client_tls, server_tls, identity) = match (&config.identity, bundle) {
+            (Some(id), Some(bundle)) => {
                 let identity_metrics = IdentityMetrics::default();
                 identity_metrics.register(&mut registry);
+                identity_metrics.trusting(&bundle.current());
                 readiness.require(crate::identity::CERTIFICATE);
                 let (client, server) =
-                    TlsClient::for_identity(&id.trust_root, store.clone(), config.tls_mode)?;
+                    TlsClient::for_identity(bundle.clone(), store.clone(), config.tls_mode)?;
                 (
                     Some(client),
                     Some(server),
-                    Some((id.clone(), store, identity_metrics)),
+                    Some((id.clone(), store, identity_metrics, bundle)),
                 )
             }
-            None => (None, None, None),
+            _ => (None, None, None),
         };
         let connector = Arc::new(Connector {
             connect_timeout: config.connect_timeout,
@@ -147,6 +159,7 @@ impl Bootstrap {
 fn control_tls(
     config: &BootstrapConfig,
     store: &Arc<CertStore>,
+    bundle: Option<&Arc<TrustBundle>>,
 ) -> Result<Option<Arc<ControlTls>>, ProxyStartError> {
     if config.control_channel.insecure {
         return Ok(None);
@@ -161,8 +174,12 @@ fn control_tls(
             .map(tether_identity::control::default_control_identity)
             .ok_or_else(|| ProxyStartError::ControlIdentity(identity.name.clone()))?,
     };
-    let roots = Arc::new(tether_identity::tls::load_roots(&identity.trust_root)?);
-    Ok(Some(ControlTls::new(&expected, store.clone(), roots)?))
+    let bundle = bundle.ok_or(ProxyStartError::ControlTlsWithoutIdentity)?;
+    Ok(Some(ControlTls::trusting(
+        &expected,
+        store.clone(),
+        bundle.clone(),
+    )?))
 }
 
 impl Background {
@@ -170,13 +187,23 @@ impl Background {
     /// after every readiness condition is registered: a probe in the first
     /// instant must already see them missing.
     pub fn start(self, readiness: Readiness, shutdown: Shutdown) {
-        if let Some((config, store, metrics)) = self.identity {
+        if let Some((config, store, metrics, bundle)) = self.identity {
+            let renew_now = Arc::new(tokio::sync::Notify::new());
+            tokio::spawn(crate::identity::follow_bundle(
+                config.clone(),
+                bundle,
+                store.clone(),
+                renew_now.clone(),
+                metrics.clone(),
+                shutdown.clone(),
+            ));
             tokio::spawn(crate::identity::maintain(
                 config,
                 self.controls,
                 store,
                 readiness.clone(),
                 metrics,
+                renew_now,
                 shutdown.clone(),
             ));
         }

@@ -3,6 +3,11 @@
 //! certificate's lifetime. On failure it retries with backoff while the
 //! current certificate stays in use. Readiness waits for the first
 //! certificate.
+//!
+//! The trust bundle (`--trust-root`) is re-read when its file changes
+//! ([`follow_bundle`]); a file that does not parse is refused and the last
+//! good bundle stays. When the new bundle no longer trusts this proxy's own
+//! certificate (the old root was dropped), it renews at once.
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
@@ -18,6 +23,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tether_admin::{Readiness, Shutdown};
 use tether_identity::tls::CertStore;
+use tether_identity::trust::{FileStamps, Trust, TrustBundle};
 use tonic::transport::Channel;
 
 /// The readiness condition this module sets.
@@ -50,10 +56,25 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IssuerLabels {
+    pub issuer: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RootLabels {
+    pub root: String,
+}
+
 #[derive(Clone, Default)]
 pub struct IdentityMetrics {
     pub expiry: Gauge<f64, AtomicU64>,
     pub renewals: Family<OutcomeLabels, Counter>,
+    /// 1 for the issuer of the certificate held (one series).
+    pub issuer: Family<IssuerLabels, Gauge>,
+    /// 1 for each root of the trust bundle in force.
+    pub roots: Family<RootLabels, Gauge>,
+    pub reloads: Family<OutcomeLabels, Counter>,
 }
 
 impl IdentityMetrics {
@@ -68,6 +89,36 @@ impl IdentityMetrics {
             "Certificate requests by outcome (ok, error)",
             self.renewals.clone(),
         );
+        registry.register(
+            "tether_identity_cert_issuer_info",
+            "The issuer (its fingerprint) of the certificate held, 1",
+            self.issuer.clone(),
+        );
+        registry.register(
+            "tether_identity_trust_roots",
+            "The roots of the trust bundle in force (their fingerprints), 1 each",
+            self.roots.clone(),
+        );
+        registry.register(
+            "tether_identity_reloads",
+            "Re-reads of the trust bundle after its file changed, by outcome (ok, refused)",
+            self.reloads.clone(),
+        );
+    }
+
+    /// Shows the roots of `trust` as the ones in force.
+    pub fn trusting(&self, trust: &Trust) {
+        self.roots.clear();
+        for root in &trust.fingerprints {
+            self.roots
+                .get_or_create(&RootLabels { root: root.clone() })
+                .set(1);
+        }
+    }
+
+    fn issued_by(&self, issuer: String) {
+        self.issuer.clear();
+        self.issuer.get_or_create(&IssuerLabels { issuer }).set(1);
     }
 
     fn outcome(&self, outcome: &str) {
@@ -79,11 +130,17 @@ impl IdentityMetrics {
     }
 }
 
+/// A certificate installed: its expiry and its issuer's fingerprint.
+struct Installed {
+    expires: SystemTime,
+    issuer: String,
+}
+
 async fn certify_once(
     client: &mut IdentityClient<Channel>,
     config: &IdentityConfig,
     store: &CertStore,
-) -> Result<SystemTime, String> {
+) -> Result<Installed, String> {
     let kc = tether_identity::csr::generate(&config.name)
         .map_err(|e| format!("making key and CSR: {e}"))?;
     let rsp = client
@@ -110,6 +167,12 @@ async fn certify_once(
             config.name
         ));
     }
+    // The chain's first certificate above the leaf signed it.
+    let issuer = rsp
+        .intermediate_certificates
+        .first()
+        .map(|der| tether_identity::trust::fingerprint(der))
+        .unwrap_or_else(|| "unknown".into());
     store
         .install(
             rsp.leaf_certificate,
@@ -118,7 +181,7 @@ async fn certify_once(
             expires,
         )
         .map_err(|e| e.to_string())?;
-    Ok(expires)
+    Ok(Installed { expires, issuer })
 }
 
 /// Keeps a valid certificate in `store` until shutdown.
@@ -128,6 +191,7 @@ pub async fn maintain(
     store: Arc<CertStore>,
     readiness: Readiness,
     metrics: IdentityMetrics,
+    renew_now: Arc<tokio::sync::Notify>,
     shutdown: Shutdown,
 ) {
     let mut backoff = Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
@@ -143,8 +207,9 @@ pub async fn maintain(
             Err(e) => Err(e),
         };
         let wait = match attempt {
-            Ok(expires) => {
+            Ok(Installed { expires, issuer }) => {
                 metrics.outcome("ok");
+                metrics.issued_by(issuer);
                 backoff.reset();
                 readiness.set(CERTIFICATE, true);
                 let secs = expires
@@ -170,7 +235,70 @@ pub async fn maintain(
         };
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
+            _ = renew_now.notified() => {}
             _ = shutdown.triggered() => return,
+        }
+    }
+}
+
+/// How often the trust bundle's file is looked at; a change is read once
+/// it has stayed the same for one look, so it applies within two.
+pub const BUNDLE_POLL: Duration = Duration::from_millis(500);
+
+/// Re-reads the trust bundle when its file changes, until `shutdown`. A
+/// bundle that does not parse is refused (logged once per change, counted)
+/// and the last good one stays; a bundle that does not trust this proxy's
+/// own certificate any more asks `renew_now`.
+pub async fn follow_bundle(
+    config: IdentityConfig,
+    bundle: Arc<TrustBundle>,
+    store: Arc<CertStore>,
+    renew_now: Arc<tokio::sync::Notify>,
+    metrics: IdentityMetrics,
+    shutdown: Shutdown,
+) {
+    let mut stamps = FileStamps::new(vec![config.trust_root.clone()]);
+    let mut tick = tokio::time::interval(BUNDLE_POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.triggered() => return,
+        }
+        if !stamps.changed() {
+            continue;
+        }
+        let trust = match Trust::read(&config.trust_root) {
+            Ok(trust) => trust,
+            Err(e) => {
+                metrics
+                    .reloads
+                    .get_or_create(&OutcomeLabels {
+                        outcome: "refused".into(),
+                    })
+                    .inc();
+                tracing::error!(error = %e, roots = ?bundle.current().fingerprints, "trust bundle refused; the last good one stays");
+                continue;
+            }
+        };
+        metrics
+            .reloads
+            .get_or_create(&OutcomeLabels {
+                outcome: "ok".into(),
+            })
+            .inc();
+        metrics.trusting(&trust);
+        tracing::info!(roots = ?trust.fingerprints, "trust bundle re-read");
+        let untrusted = store
+            .chain()
+            .map(|chain| trust.verifies(&chain, &config.name))
+            .is_some_and(|verified| verified.is_err());
+        bundle.install(trust);
+        if untrusted {
+            tracing::warn!(
+                "the new trust bundle does not trust this proxy's certificate: renewing now"
+            );
+            renew_now.notify_one();
         }
     }
 }

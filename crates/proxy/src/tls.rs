@@ -56,15 +56,16 @@ pub struct TlsClient {
 impl TlsClient {
     /// The TLS of a proxy holding an identity: this client policy (for its
     /// connector) and a server configuration (for accepting mTLS), both
-    /// presenting the certificate in `store` and trusting `trust_root`.
+    /// presenting the certificate in `store` and trusting the roots of
+    /// `bundle` (consulted at every handshake, so a re-read bundle applies
+    /// to new connections).
     pub fn for_identity(
-        trust_root: &std::path::Path,
+        bundle: Arc<tether_identity::trust::TrustBundle>,
         store: Arc<CertStore>,
         mode: TlsMode,
     ) -> Result<(Arc<Self>, Arc<rustls::ServerConfig>), tether_identity::tls::TlsError> {
-        let roots = Arc::new(tether_identity::tls::load_roots(trust_root)?);
-        let client = tether_identity::tls::client_config(store.clone(), roots.clone())?;
-        let server = tether_identity::tls::server_config(store.clone(), roots)?;
+        let client = tether_identity::tls::client_config_trusting(store.clone(), bundle.clone())?;
+        let server = tether_identity::tls::server_config_trusting(store.clone(), bundle)?;
         let mut transport_header = (*client).clone();
         transport_header.alpn_protocols = vec![crate::transport_header::ALPN.to_vec()];
         Ok((
@@ -289,7 +290,8 @@ mod tests {
                 )
                 .unwrap();
         }
-        let (tls, _) = TlsClient::for_identity(&dir.join("ca.crt"), store, mode).unwrap();
+        let bundle = tether_identity::trust::TrustBundle::load(&dir.join("ca.crt")).unwrap();
+        let (tls, _) = TlsClient::for_identity(bundle, store, mode).unwrap();
         Connector {
             connect_timeout: Duration::from_secs(1),
             tls: Some(tls),

@@ -24,6 +24,40 @@ pub enum IdentityCommand {
         #[arg(long, default_value = "31536000", value_parser = parse_secs)]
         issuer_lifetime: Duration,
     },
+    /// Root rotation, step 1 of 3: make a new root and make ca.crt trust the
+    /// old and the new one (then wait until every proxy trusts it).
+    RotateRoot {
+        /// The identity directory.
+        #[arg(long)]
+        dir: PathBuf,
+        /// New root certificate lifetime in seconds (default ten years).
+        #[arg(long, default_value = "315360000", value_parser = parse_secs)]
+        root_lifetime: Duration,
+    },
+    /// Root rotation, step 2 of 3: a new issuer from the new root (outside a
+    /// root rotation: a new issuer from the current root). The control plane
+    /// signs with it within a second; proxies move to it as they renew.
+    RotateIssuer {
+        /// The identity directory.
+        #[arg(long)]
+        dir: PathBuf,
+        /// New issuer certificate lifetime in seconds (default one year).
+        #[arg(long, default_value = "31536000", value_parser = parse_secs)]
+        issuer_lifetime: Duration,
+    },
+    /// Root rotation, step 3 of 3: ca.crt trusts only the new root (once
+    /// every proxy holds a certificate from the new issuer).
+    Finish {
+        /// The identity directory.
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Where a root rotation stands, and what to do next.
+    Status {
+        /// The identity directory.
+        #[arg(long)]
+        dir: PathBuf,
+    },
     /// Print the bootstrap token that entitles a workload to IDENTITY.
     Token {
         /// The identity directory (holds token.key).
@@ -58,6 +92,51 @@ impl IdentityCommand {
                     out.join("ca.crt").display()
                 );
             }
+            Self::RotateRoot { dir, root_lifetime } => {
+                let status = tether_identity::rotation::rotate_root(&dir, root_lifetime)?;
+                println!(
+                    "step 1 of 3 done: {} now trusts the old and the new root ({})",
+                    dir.join("ca.crt").display(),
+                    status.roots.join(", ")
+                );
+                print_status(&status);
+            }
+            Self::RotateIssuer {
+                dir,
+                issuer_lifetime,
+            } => {
+                let status = tether_identity::rotation::rotate_issuer(&dir, issuer_lifetime)?;
+                let from = match status.step {
+                    tether_identity::rotation::Step::Steady => "the current root",
+                    _ => "the new root (step 2 of 3 done)",
+                };
+                println!(
+                    "new issuer {} from {from}, expires at {}",
+                    status.issuer,
+                    when(status.issuer_not_after)
+                );
+                println!("control planes reading {} sign with it within a second; proxies move to it at their next renewal", dir.display());
+                print_status(&status);
+            }
+            Self::Finish { dir } => {
+                let status = tether_identity::rotation::finish(&dir)?;
+                println!(
+                    "step 3 of 3 done: {} trusts only the new root {}; ca.key is its key",
+                    dir.join("ca.crt").display(),
+                    status.roots.join(", ")
+                );
+                println!("give the new ca.crt to every proxy; each drops the old root within a second of seeing it");
+            }
+            Self::Status { dir } => {
+                let status = tether_identity::rotation::status(&dir)?;
+                println!("trust roots: {}", status.roots.join(", "));
+                println!(
+                    "issuer:      {} (expires at {})",
+                    status.issuer,
+                    when(status.issuer_not_after)
+                );
+                print_status(&status);
+            }
             Self::Token { dir, identity } => {
                 let tokens = tether_identity::token::LocalTokens::load(&dir)
                     .with_context(|| format!("reading the token secret in {}", dir.display()))?;
@@ -66,6 +145,10 @@ impl IdentityCommand {
         }
         Ok(())
     }
+}
+
+fn print_status(status: &tether_identity::rotation::Status) {
+    println!("next: {}", status.next());
 }
 
 fn when(t: SystemTime) -> String {

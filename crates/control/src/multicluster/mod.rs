@@ -64,26 +64,24 @@ impl Multicluster {
         config: &MulticlusterConfig,
         cluster: Option<&str>,
         cluster_domain: &str,
-        identity: Option<(
-            &std::path::Path,
-            std::sync::Arc<tether_identity::ca::Issuer>,
-        )>,
+        identity: Option<&crate::identity::IdentitySource>,
     ) -> Result<Option<Self>, MulticlusterError> {
         use std::sync::Arc;
-        use tether_identity::tls::{client_config, load_roots, server_config, CertStore};
+        use tether_identity::tls::{
+            client_config, client_config_trusting, load_roots, server_config_trusting, CertStore,
+        };
 
         if config.export_addr.is_none() && config.links.is_empty() {
             return Ok(None);
         }
-        let (dir, issuer) = identity.ok_or(MulticlusterError::NeedsIdentity)?;
+        let identity = identity.ok_or(MulticlusterError::NeedsIdentity)?;
         let cluster = cluster.ok_or(MulticlusterError::NeedsCluster)?;
         let store = CertStore::new();
         tls::self_certify(
-            issuer,
+            identity.issuer(),
             control_identity(cluster, cluster_domain),
             store.clone(),
         )?;
-        let own_roots = Arc::new(load_roots(&dir.join(tether_identity::ca::CA_CERT))?);
         let export = match config.export_addr {
             Some(_) => Some((
                 export::ExportConfig {
@@ -91,17 +89,18 @@ impl Multicluster {
                     gateway_address: config.gateway_address.clone().unwrap_or_default(),
                     gateway_identity: config.gateway_identity.clone().unwrap_or_default(),
                 },
-                server_config(store.clone(), own_roots.clone())?,
+                server_config_trusting(store.clone(), identity.bundle.clone())?,
             )),
             None => None,
         };
         let mut links = Vec::with_capacity(config.links.len());
         for link in &config.links {
-            let roots = match &link.trust_root {
-                Some(path) => Arc::new(load_roots(path)?),
-                None => own_roots.clone(),
+            // A link's own root is fixed; this cluster's follows its bundle.
+            let config = match &link.trust_root {
+                Some(path) => client_config(store.clone(), Arc::new(load_roots(path)?))?,
+                None => client_config_trusting(store.clone(), identity.bundle.clone())?,
             };
-            links.push((link.clone(), client_config(store.clone(), roots)?));
+            links.push((link.clone(), config));
         }
         Ok(Some(Self {
             cluster: cluster.to_string(),

@@ -31,15 +31,17 @@ pub enum SelfCertifyError {
 }
 
 /// Issues `identity` a certificate from `issuer` into `store`, and renews
-/// it in the background.
+/// it in the background: at half its lifetime, and at once when the
+/// issuer is replaced (so this process's certificate moves to a new issuer
+/// with it).
 pub fn self_certify(
-    issuer: Arc<Issuer>,
+    mut issuer: tokio::sync::watch::Receiver<Arc<Issuer>>,
     identity: String,
     store: Arc<CertStore>,
 ) -> Result<(), SelfCertifyError> {
     let issue = {
-        let (issuer, identity, store) = (issuer.clone(), identity.clone(), store.clone());
-        move || -> Result<(), SelfCertifyError> {
+        let (identity, store) = (identity.clone(), store.clone());
+        move |issuer: &Issuer| -> Result<(), SelfCertifyError> {
             let kc = tether_identity::csr::generate(&identity)?;
             let issued = issuer.sign(&kc.csr_der, &identity, LIFETIME)?;
             store.install(
@@ -51,16 +53,33 @@ pub fn self_certify(
             Ok(())
         }
     };
-    issue()?;
+    issue(&issuer.borrow_and_update())?;
     tokio::spawn(async move {
+        // A fixed issuer (operator tools) has no sender left to change it.
+        let mut replaceable = true;
         loop {
             let left = store
                 .expires()
                 .and_then(|e| e.duration_since(SystemTime::now()).ok())
                 .unwrap_or_default();
-            tokio::time::sleep((left / 2).max(Duration::from_secs(1))).await;
-            if let Err(e) = issue() {
-                tracing::warn!(%identity, error = %e, "renewing the control plane's certificate failed");
+            let renew = tokio::time::sleep((left / 2).max(Duration::from_secs(1)));
+            tokio::select! {
+                _ = renew => {}
+                changed = issuer.changed(), if replaceable => {
+                    if changed.is_err() {
+                        replaceable = false;
+                        continue;
+                    }
+                }
+            }
+            let current = issuer.borrow_and_update().clone();
+            match issue(&current) {
+                Ok(()) => {
+                    tracing::info!(%identity, issuer = %current.fingerprint(), "the control plane's own certificate issued")
+                }
+                Err(e) => {
+                    tracing::warn!(%identity, error = %e, "renewing the control plane's certificate failed")
+                }
             }
         }
     });
