@@ -19,6 +19,7 @@ mod failover;
 mod gateway;
 mod hostile;
 mod identity;
+mod inbound_policy_api;
 mod intercept;
 mod interop;
 mod multicluster;

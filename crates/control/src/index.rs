@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tether_core::authority::ServiceKey;
+use tether_core::policy::{Labels, PolicySet, WorkloadKey};
 use tether_core::registry::{EndpointSpec, MulticlusterMode, PortSpec};
 use tokio::sync::watch;
 
@@ -179,6 +180,28 @@ struct Inner {
     /// service without its endpoints (what routing depends on), or `None`
     /// while it does not exist.
     routing: HashMap<ServiceKey, watch::Sender<RoutingState>>,
+    /// Each named workload's labels, per service that lists it (so one
+    /// service's change updates only its own share).
+    workloads: HashMap<WorkloadKey, BTreeMap<ServiceKey, Labels>>,
+    /// One slot per workload an inbound policy stream follows: its labels,
+    /// or `None` while no service lists it.
+    workload_slots: HashMap<WorkloadKey, watch::Sender<WorkloadState>>,
+}
+
+/// A workload as inbound policy sees it: its labels, once a service lists
+/// it.
+pub type WorkloadState = Option<Labels>;
+
+/// The named endpoints of a service and their labels (the first listing
+/// of a name wins, as for addresses).
+fn named_labels(state: Option<&ServiceState>) -> BTreeMap<&str, &Labels> {
+    let mut named = BTreeMap::new();
+    for ep in state.into_iter().flat_map(|s| &s.endpoints) {
+        if let Some(name) = &ep.name {
+            named.entry(name.as_str()).or_insert(&ep.labels);
+        }
+    }
+    named
 }
 
 /// A service as routing sees it: its state without endpoints.
@@ -197,6 +220,8 @@ fn routing_state(state: Option<&ServiceState>) -> RoutingState {
 #[derive(Clone)]
 pub struct Index {
     inner: Arc<Mutex<Inner>>,
+    /// The registry's policy resources, replaced whole on each change.
+    policies: Arc<watch::Sender<Arc<PolicySet>>>,
     metrics: ControlMetrics,
 }
 
@@ -204,7 +229,58 @@ impl Index {
     pub fn new(metrics: ControlMetrics) -> Self {
         Self {
             inner: Arc::default(),
+            policies: Arc::new(watch::Sender::new(Arc::default())),
             metrics,
+        }
+    }
+
+    /// Replaces the policy resources (a no-op when nothing changed, so
+    /// inbound streams wake only for real changes).
+    pub fn set_policies(&self, set: PolicySet) {
+        self.policies.send_if_modified(|cur| {
+            let changed = **cur != set;
+            if changed {
+                *cur = Arc::new(set);
+            }
+            changed
+        });
+    }
+
+    pub fn policies(&self) -> Arc<PolicySet> {
+        self.policies.borrow().clone()
+    }
+
+    pub fn watch_policies(&self) -> watch::Receiver<Arc<PolicySet>> {
+        self.policies.subscribe()
+    }
+
+    /// Follows a workload's labels: the receiver holds them at once
+    /// (`None` while no service lists the workload).
+    pub fn watch_workload(&self, key: &WorkloadKey) -> watch::Receiver<WorkloadState> {
+        let mut inner = self.inner.lock().unwrap();
+        let current = inner.workload_labels(key);
+        inner
+            .workload_slots
+            .entry(key.clone())
+            .or_insert_with(|| watch::Sender::new(current))
+            .subscribe()
+    }
+
+    /// A workload's labels, `None` while no service lists it.
+    pub fn workload(&self, key: &WorkloadKey) -> WorkloadState {
+        self.inner.lock().unwrap().workload_labels(key)
+    }
+
+    /// Drops a workload slot nobody follows any more.
+    pub fn release_workload(&self, key: &WorkloadKey) {
+        let mut inner = self.inner.lock().unwrap();
+        if inner
+            .workload_slots
+            .get(key)
+            .is_some_and(|s| s.receiver_count() == 0)
+        {
+            inner.workload_slots.remove(key);
+            shrink_map(&mut inner.workload_slots);
         }
     }
 
@@ -247,6 +323,7 @@ impl Index {
                 changed
             });
         }
+        inner.update_workloads(key, state.as_ref());
         let old_global = inner.services.get(key).and_then(|s| s.global_id.clone());
         let new_global = state.as_ref().and_then(|s| s.global_id.clone());
         match state {
@@ -493,10 +570,85 @@ impl Index {
             !ports.is_empty()
         });
         inner.routing.retain(|_, slot| slot.receiver_count() > 0);
+        inner
+            .workload_slots
+            .retain(|_, slot| slot.receiver_count() > 0);
     }
 }
 
 impl Inner {
+    /// A workload's labels: every listing service's share merged, the first
+    /// service (by name) winning a key both set.
+    fn workload_labels(&self, key: &WorkloadKey) -> WorkloadState {
+        let shares = self.workloads.get(key)?;
+        let mut labels = Labels::new();
+        for share in shares.values() {
+            for (k, v) in share {
+                labels.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+        Some(labels)
+    }
+
+    /// Records what `service`'s new state says about its named workloads
+    /// (called before the state replaces the old one) and republishes the
+    /// workloads whose labels changed. Endpoint churn that keeps names and
+    /// labels costs one comparison.
+    fn update_workloads(&mut self, service: &ServiceKey, state: Option<&ServiceState>) {
+        let old = named_labels(self.services.get(service));
+        let new = named_labels(state);
+        if old == new {
+            return;
+        }
+        let names: BTreeSet<String> = old
+            .iter()
+            .filter(|(name, labels)| new.get(*name) != Some(*labels))
+            .map(|(name, _)| name.to_string())
+            .chain(
+                new.iter()
+                    .filter(|(name, labels)| old.get(*name) != Some(*labels))
+                    .map(|(name, _)| name.to_string()),
+            )
+            .collect();
+        let new: BTreeMap<String, Labels> = new
+            .into_iter()
+            .map(|(n, l)| (n.to_string(), l.clone()))
+            .collect();
+        for name in names {
+            let key = WorkloadKey {
+                namespace: service.namespace.clone(),
+                name,
+            };
+            match new.get(&key.name) {
+                Some(labels) => {
+                    self.workloads
+                        .entry(key.clone())
+                        .or_default()
+                        .insert(service.clone(), labels.clone());
+                }
+                None => {
+                    if let Some(shares) = self.workloads.get_mut(&key) {
+                        shares.remove(service);
+                        if shares.is_empty() {
+                            self.workloads.remove(&key);
+                            shrink_map(&mut self.workloads);
+                        }
+                    }
+                }
+            }
+            if let Some(slot) = self.workload_slots.get(&key) {
+                let current = self.workload_labels(&key);
+                slot.send_if_modified(|cur| {
+                    let changed = *cur != current;
+                    if changed {
+                        *cur = current;
+                    }
+                    changed
+                });
+            }
+        }
+    }
+
     fn local_members<'a>(&'a self, global: &str) -> impl Iterator<Item = &'a ServiceState> + 'a {
         self.by_global
             .get(global)

@@ -12,7 +12,9 @@
 //! - [`identity`]: `Identity.Certify`, signing workloads' CSRs with the
 //!   issuer once their bootstrap token checks out.
 //! - [`policy`]: `OutboundPolicies` (each service port's routes, as
-//!   [`outbound`] builds them) and a permissive `InboundServerPolicies`.
+//!   [`outbound`] builds them) and the bounded streams policy APIs share.
+//! - [`inbound_policy`]: `InboundServerPolicies`, a workload port's
+//!   authorization policy from the registry's policy resources.
 //! - [`metrics`]: the control plane's Prometheus metrics.
 //! - [`diagnostics`]: Tether's own gRPC API for operator tools.
 //! - [`multicluster`]: links to other clusters, and the export API.
@@ -21,6 +23,7 @@ pub mod channel;
 pub mod destination;
 pub mod diagnostics;
 pub mod identity;
+pub mod inbound_policy;
 pub mod index;
 pub mod metrics;
 pub mod multicluster;

@@ -553,16 +553,7 @@ impl Target<'_> {
                 headers: vec![],
             }]
         } else {
-            rule.matches
-                .iter()
-                .map(|m| GrpcRouteMatch {
-                    rpc: m.method.as_ref().map(|method| GrpcRpcMatch {
-                        service: method.service.clone().unwrap_or_default(),
-                        method: method.method.clone().unwrap_or_default(),
-                    }),
-                    headers: m.headers.iter().map(header_match).collect(),
-                })
-                .collect()
+            rule.matches.iter().map(grpc_match).collect()
         };
         let backends = Some(match self.distribution(namespace, &rule.backend_refs) {
             Dist::First(b) => grpc_route::Distribution {
@@ -726,7 +717,7 @@ pub fn anchored(pattern: &str) -> String {
     format!("^(?:{pattern})$")
 }
 
-fn http_match(m: &HttpMatch) -> HttpRouteMatch {
+pub(crate) fn http_match(m: &HttpMatch) -> HttpRouteMatch {
     let path = m
         .path
         .as_ref()
@@ -752,6 +743,16 @@ fn http_match(m: &HttpMatch) -> HttpRouteMatch {
             })
             .collect(),
         method: m.method.as_deref().map(method),
+    }
+}
+
+pub(crate) fn grpc_match(m: &tether_core::route::GrpcMatch) -> GrpcRouteMatch {
+    GrpcRouteMatch {
+        rpc: m.method.as_ref().map(|method| GrpcRpcMatch {
+            service: method.service.clone().unwrap_or_default(),
+            method: method.method.clone().unwrap_or_default(),
+        }),
+        headers: m.headers.iter().map(header_match).collect(),
     }
 }
 
@@ -801,7 +802,7 @@ fn header_list(items: &[tether_core::route::HeaderValue]) -> http_types::Headers
     }
 }
 
-fn http_filter(f: &HttpFilter) -> http_route::Filter {
+pub(crate) fn http_filter(f: &HttpFilter) -> http_route::Filter {
     use http_route::filter::Kind;
     let modifier = |m: &Option<HeaderModifier>| m.clone().unwrap_or_default();
     let kind = match f.kind {

@@ -17,18 +17,13 @@
 //! (the client treats it as a discovery error), and an answer that is
 //! never sent would leave it waiting.
 //!
-//! Inbound policy is one permissive server with protocol detection.
+//! Inbound policy is served by [`crate::inbound_policy`], over the same
+//! bounded streams ([`RoutingStreams::spawn`]).
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use linkerd2_proxy_api::inbound::{
-    authn, inbound_server_policies_server::InboundServerPolicies, proxy_protocol, Authn, Authz,
-    Network, PortSpec, ProxyProtocol, Server,
-};
-use linkerd2_proxy_api::net::IpNetwork;
 use linkerd2_proxy_api::outbound::{
     outbound_policies_server::OutboundPolicies, traffic_spec, OutboundPolicy, TrafficSpec,
 };
@@ -38,7 +33,7 @@ use tether_core::truncate::for_log;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use crate::destination::{one_then_hold, BoxStream};
+use crate::destination::BoxStream;
 use crate::index::{Index, ServiceState};
 use crate::outbound::Target;
 
@@ -79,6 +74,17 @@ impl RoutingStreams {
         T: PartialEq + Clone + Send + 'static,
         F: Fn(&ServiceState) -> T + Send + 'static,
     {
+        let permit = self.acquire()?;
+        let source = RoutingSource {
+            routing: Some(self.index.watch_routing(&key)),
+            index: self.index.clone(),
+            service: key,
+        };
+        Ok(self.spawn(permit, source, move |state| state.map(|s| build(&s))))
+    }
+
+    /// A place for one more stream, or why there is none.
+    pub(crate) fn acquire(&self) -> Result<StreamPermit, Status> {
         if self.shutdown.is_triggered() {
             return Err(Status::unavailable("control plane is shutting down"));
         }
@@ -89,21 +95,32 @@ impl RoutingStreams {
                 self.max
             )));
         }
-        let mut routing = self.index.watch_routing(&key);
-        let permit = StreamPermit {
+        Ok(StreamPermit {
             live: self.live.clone(),
-            index: self.index.clone(),
-            service: key,
-        };
+        })
+    }
+
+    /// Sends `build(state)` at once and whenever `source` changes, skipping
+    /// answers equal to the last one sent and states that build nothing,
+    /// through a small bounded channel (a slow client skips to the latest).
+    pub(crate) fn spawn<S, T, F>(
+        &self,
+        permit: StreamPermit,
+        mut source: S,
+        build: F,
+    ) -> BoxStream<T>
+    where
+        S: Followed,
+        T: PartialEq + Clone + Send + 'static,
+        F: Fn(S::State) -> Option<T> + Send + 'static,
+    {
         let shutdown = self.shutdown.clone();
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(async move {
             let _permit = permit;
             let mut sent: Option<T> = None;
             loop {
-                let state = routing.borrow_and_update().clone();
-                if let Some(state) = state {
-                    let answer = build(&state);
+                if let Some(answer) = build(source.current()) {
                     if sent.as_ref() != Some(&answer) {
                         if tx.send(Ok(answer.clone())).await.is_err() {
                             return;
@@ -112,27 +129,69 @@ impl RoutingStreams {
                     }
                 }
                 tokio::select! {
-                    changed = routing.changed() => if changed.is_err() { return },
+                    changed = source.changed() => if !changed { return },
                     _ = tx.closed() => return,
                     _ = shutdown.triggered() => return,
                 }
             }
         });
-        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+        Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+    }
+}
+
+/// What a stream follows: latest-state slots in the index.
+pub(crate) trait Followed: Send + 'static {
+    type State;
+    /// The current state, marking it seen.
+    fn current(&mut self) -> Self::State;
+    /// Waits for a change; `false` when the source is gone.
+    fn changed(&mut self) -> impl std::future::Future<Output = bool> + Send;
+}
+
+/// A service's routing slot; gives the slot back when the stream ends.
+struct RoutingSource {
+    routing: Option<crate::index::RoutingReceiver>,
+    index: Index,
+    service: ServiceKey,
+}
+
+impl Followed for RoutingSource {
+    type State = crate::index::RoutingState;
+
+    fn current(&mut self) -> Self::State {
+        self.routing
+            .as_mut()
+            .expect("set until drop")
+            .borrow_and_update()
+            .clone()
+    }
+
+    async fn changed(&mut self) -> bool {
+        self.routing
+            .as_mut()
+            .expect("set until drop")
+            .changed()
+            .await
+            .is_ok()
+    }
+}
+
+impl Drop for RoutingSource {
+    fn drop(&mut self) {
+        // The receiver goes first, so the slot is seen unwatched.
+        self.routing = None;
+        self.index.release_routing(&self.service);
     }
 }
 
 /// Gives back a stream's place when it ends, however it ends.
-struct StreamPermit {
+pub(crate) struct StreamPermit {
     live: Arc<AtomicUsize>,
-    index: Index,
-    service: ServiceKey,
 }
 
 impl Drop for StreamPermit {
     fn drop(&mut self) {
         self.live.fetch_sub(1, Ordering::Relaxed);
-        self.index.release_routing(&self.service);
     }
 }
 
@@ -199,44 +258,6 @@ impl PolicyService {
     }
 }
 
-/// Allows every client, plaintext or TLS, and detects the protocol.
-pub fn default_server() -> Server {
-    let all = |net: std::net::IpAddr| Network {
-        net: Some(IpNetwork::from((net, 0u8))),
-        except: vec![],
-    };
-    let labels = HashMap::from([
-        ("kind".to_string(), "default".to_string()),
-        ("name".to_string(), "all-unauthenticated".to_string()),
-    ]);
-    Server {
-        protocol: Some(ProxyProtocol {
-            kind: Some(proxy_protocol::Kind::Detect(proxy_protocol::Detect {
-                timeout: Some(prost_types::Duration {
-                    seconds: 10,
-                    nanos: 0,
-                }),
-                ..Default::default()
-            })),
-        }),
-        server_ips: vec![],
-        authorizations: vec![Authz {
-            networks: vec![
-                all(std::net::Ipv4Addr::UNSPECIFIED.into()),
-                all(std::net::Ipv6Addr::UNSPECIFIED.into()),
-            ],
-            authentication: Some(Authn {
-                permit: Some(authn::Permit::Unauthenticated(
-                    authn::PermitUnauthenticated {},
-                )),
-            }),
-            labels: labels.clone(),
-            metadata: None,
-        }],
-        labels,
-    }
-}
-
 #[tonic::async_trait]
 impl OutboundPolicies for PolicyService {
     type WatchStream = BoxStream<OutboundPolicy>;
@@ -266,25 +287,6 @@ impl OutboundPolicies for PolicyService {
             .policy()
         })?;
         Ok(Response::new(stream))
-    }
-}
-
-#[tonic::async_trait]
-impl InboundServerPolicies for PolicyService {
-    type WatchPortStream = BoxStream<Server>;
-
-    async fn get_port(&self, _req: Request<PortSpec>) -> Result<Response<Server>, Status> {
-        Ok(Response::new(default_server()))
-    }
-
-    async fn watch_port(
-        &self,
-        _req: Request<PortSpec>,
-    ) -> Result<Response<Self::WatchPortStream>, Status> {
-        Ok(Response::new(one_then_hold(
-            default_server(),
-            self.streams.shutdown.clone(),
-        )))
     }
 }
 

@@ -18,6 +18,7 @@ use tonic::service::interceptor::InterceptedService;
 use crate::channel::{Access, ChannelSecurity, Require};
 use crate::destination::{DestinationService, Subscriptions};
 use crate::identity::{IdentityMetrics, IdentityService, IdentitySource, KubeTokenReview};
+use crate::inbound_policy::{InboundDefaults, InboundService};
 use crate::index::Index;
 use crate::metrics::ControlMetrics;
 use crate::multicluster::{Multicluster, MulticlusterConfig, MulticlusterError};
@@ -66,6 +67,11 @@ pub struct ControlConfig {
     pub control_identity: String,
     /// Serve plaintext clients too (`--insecure-control-plane`).
     pub insecure_control_plane: bool,
+    /// The inbound policy of a port no `Server` selects, in a namespace
+    /// without a default (`--default-inbound-policy`).
+    pub default_inbound_policy: tether_core::policy::DefaultPolicy,
+    /// The `cluster-*` policies' networks (`--cluster-networks`).
+    pub cluster_networks: Vec<tether_core::policy::Cidr>,
 }
 
 impl ControlConfig {
@@ -241,14 +247,28 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
     if let Some(multicluster) = multicluster {
         multicluster.spawn(export_listener, &index, &shutdown);
     }
+    let inbound = InboundService::new(
+        routing.clone(),
+        InboundDefaults::new(
+            config.default_inbound_policy,
+            config.cluster_networks.clone(),
+            &config.cluster_domain,
+        ),
+    );
     let policy = PolicyService::new(routing, &config.cluster_domain);
     let signal = shutdown.clone();
     let insecure = security.insecure;
-    let server = grpc_services(destination, policy, identity, diagnostics, insecure)
-        .serve_with_incoming_shutdown(
-            crate::channel::incoming(grpc, security, PREFACE_DEADLINE),
-            async move { signal.triggered().await },
-        );
+    let server = grpc_services(
+        destination,
+        (policy, inbound),
+        identity,
+        diagnostics,
+        insecure,
+    )
+    .serve_with_incoming_shutdown(
+        crate::channel::incoming(grpc, security, PREFACE_DEADLINE),
+        async move { signal.triggered().await },
+    );
     tokio::select! {
         res = server => res?,
         res = registry_task => registry_ended(res)?,
@@ -354,7 +374,7 @@ fn when_loaded(
 /// reads and sends.
 fn grpc_services(
     destination: DestinationService,
-    policy: PolicyService,
+    (policy, inbound): (PolicyService, InboundService),
     identity: Option<IdentityService>,
     diagnostics: crate::diagnostics::DiagnosticsServer,
     insecure: bool,
@@ -388,13 +408,13 @@ fn grpc_services(
             mtls,
         ))
         .add_service(InterceptedService::new(
-            OutboundPoliciesServer::new(policy.clone())
+            OutboundPoliciesServer::new(policy)
                 .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
             mtls,
         ))
         .add_service(InterceptedService::new(
-            InboundServerPoliciesServer::new(policy)
+            InboundServerPoliciesServer::new(inbound)
                 .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
             mtls,
@@ -498,6 +518,8 @@ mod tests {
             control_identity: "tether-control.tether-system.serviceaccount.identity.cluster.local"
                 .into(),
             insecure_control_plane: true,
+            default_inbound_policy: Default::default(),
+            cluster_networks: vec![],
         }
     }
 

@@ -7,6 +7,8 @@
 //!   and by `tether up`, which writes it.
 //! - [`route`]: Gateway API `HTTPRoute`/`GRPCRoute` documents attached to a
 //!   service, their validation, and the bounded regex compiler both sides use.
+//! - [`policy`]: authorization policy resources (`Server`,
+//!   `AuthorizationPolicy`, authentications, namespace defaults), Linkerd's.
 //! - [`backoff`]: jittered exponential backoff, calculated (callers sleep).
 //! - [`log_limit`]: at most one log line per interval for conditions a
 //!   client can repeat at will.
@@ -21,6 +23,7 @@
 pub mod authority;
 pub mod backoff;
 pub mod log_limit;
+pub mod policy;
 pub mod prom;
 pub mod registry;
 pub mod route;

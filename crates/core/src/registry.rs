@@ -14,6 +14,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::authority::{is_dns_label, ServiceKey};
+use crate::policy::{PolicyDoc, PolicyKind};
 use crate::route::{GrpcRouteDoc, HttpRouteDoc, Route, RouteKind};
 use crate::truncate::{bounded_message, for_log};
 
@@ -68,9 +69,15 @@ pub struct EndpointSpec {
     /// endpoints are reached over HTTP/2 between proxies.
     #[serde(default = "yes")]
     pub meshed: bool,
-    /// A name for the workload (pod), used as a metric label.
+    /// A name for the workload (pod), used as a metric label; also what
+    /// a proxy names itself by when it asks for its inbound policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// The workload's labels, which a `Server`'s `podSelector` selects
+    /// (the pod's labels in Kubernetes). Only named endpoints have a use
+    /// for them.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: crate::policy::Labels,
 }
 
 impl EndpointSpec {
@@ -86,6 +93,7 @@ impl EndpointSpec {
             weight: one(),
             meshed: yes(),
             name: None,
+            labels: Default::default(),
         }
     }
 }
@@ -215,8 +223,10 @@ pub enum Document {
     Service(ServiceDoc),
     Endpoints(EndpointsDoc),
     /// A route attached to one or more services (`kind: HTTPRoute` or
-    /// `kind: GRPCRoute`).
+    /// `kind: GRPCRoute`), or to a `Server` (an inbound route).
     Route(Route),
+    /// An authorization policy resource (`crate::policy`).
+    Policy(PolicyDoc),
 }
 
 impl Document {
@@ -226,7 +236,7 @@ impl Document {
         match self {
             Document::Service(s) => Some(ServiceKey::new(&s.name, &s.namespace)),
             Document::Endpoints(e) => Some(ServiceKey::new(&e.service, &e.namespace)),
-            Document::Route(_) => None,
+            Document::Route(_) | Document::Policy(_) => None,
         }
     }
 
@@ -243,7 +253,7 @@ impl Document {
         match self {
             Document::Service(s) => &s.endpoints,
             Document::Endpoints(e) => &e.endpoints,
-            Document::Route(_) => &[],
+            Document::Route(_) | Document::Policy(_) => &[],
         }
     }
 
@@ -254,6 +264,7 @@ impl Document {
             Document::Endpoints(e) => ("Endpoints", serde_yaml::to_string(e)),
             Document::Route(Route::Http(r)) => ("HTTPRoute", serde_yaml::to_string(r)),
             Document::Route(Route::Grpc(r)) => ("GRPCRoute", serde_yaml::to_string(r)),
+            Document::Policy(p) => (p.kind().as_str(), p.body_yaml()),
         };
         format!(
             "kind: {kind}\n{}",
@@ -276,7 +287,8 @@ pub struct DocumentError {
 }
 
 /// The document kinds a registry file may hold.
-const KINDS: &str = "Service, Endpoints, HTTPRoute or GRPCRoute";
+const KINDS: &str = "Service, Endpoints, HTTPRoute, GRPCRoute, Server, AuthorizationPolicy, \
+    MeshTLSAuthentication, NetworkAuthentication or Namespace";
 
 /// Parses every YAML document of one registry file, rejecting the file as a
 /// whole if any document is invalid (a half-valid file is never served).
@@ -319,6 +331,12 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
             Some("GRPCRoute") => from_mapping::<GrpcRouteDoc>(map)
                 .map(|r| Document::Route(Route::Grpc(r)))
                 .map_err(|e| err(format!("GRPCRoute: {e}")))?,
+            Some(policy) if PolicyKind::from_kind(policy).is_some() => {
+                let kind = PolicyKind::from_kind(policy).expect("checked");
+                crate::policy::deserialize_policy(kind, map)
+                    .map(Document::Policy)
+                    .map_err(|e| err(format!("{policy}: {e}")))?
+            }
             Some(other) => {
                 return Err(err(format!(
                     "field `kind`: expected {KINDS}, got {}",
@@ -351,7 +369,9 @@ pub fn parse_route(kind: RouteKind, map: serde_yaml::Mapping) -> Result<Route, S
 
 /// Deserializes a document body; errors start with the failing field's path
 /// (`field `endpoints[2].address`: …`).
-fn from_mapping<T: serde::de::DeserializeOwned>(map: serde_yaml::Mapping) -> Result<T, String> {
+pub(crate) fn from_mapping<T: serde::de::DeserializeOwned>(
+    map: serde_yaml::Mapping,
+) -> Result<T, String> {
     serde_path_to_error::deserialize(serde_yaml::Value::Mapping(map)).map_err(|e| {
         // The path names keys of the input, which may be huge too.
         let path = bounded_message(e.path());
@@ -382,6 +402,7 @@ pub fn validate(doc: &Document) -> Result<(), String> {
         Document::Service(s) => ("name", &s.name, &s.namespace),
         Document::Endpoints(e) => ("service", &e.service, &e.namespace),
         Document::Route(r) => return r.validate(),
+        Document::Policy(p) => return p.validate(),
     };
     if !is_dns_label(name) {
         return Err(format!(
@@ -464,6 +485,7 @@ pub fn validate(doc: &Document) -> Result<(), String> {
                 check_length(&format!("endpoints[{i}].{field}"), value)?;
             }
         }
+        crate::policy::check_labels(&format!("endpoints[{i}].labels"), &ep.labels)?;
     }
     Ok(())
 }

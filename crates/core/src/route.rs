@@ -119,7 +119,9 @@ pub struct RouteDoc<R> {
 pub type HttpRouteDoc = RouteDoc<HttpRule>;
 pub type GrpcRouteDoc = RouteDoc<GrpcRule>;
 
-/// The service (and optionally the one port) a route applies to.
+/// The service (and optionally the one port) a route applies to; or, with
+/// `group: policy.linkerd.io` and `kind: Server`, the server an inbound
+/// route belongs to (`crate::policy`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct ParentRef {
@@ -469,15 +471,28 @@ impl Route {
     pub fn parents(&self) -> BTreeSet<ServiceKey> {
         self.parent_refs()
             .iter()
+            .filter(|p| !p.is_server())
             .map(|p| p.service(self.namespace()))
+            .collect()
+    }
+
+    /// The `Server`s (in the route's namespace) this route belongs to:
+    /// an inbound route.
+    pub fn servers(&self) -> BTreeSet<&str> {
+        self.parent_refs()
+            .iter()
+            .filter(|p| p.is_server())
+            .map(|p| p.name.as_str())
             .collect()
     }
 
     /// Whether the route applies to `service`'s `port`.
     pub fn applies_to(&self, service: &ServiceKey, port: u16) -> bool {
-        self.parent_refs()
-            .iter()
-            .any(|p| p.service(self.namespace()) == *service && p.port.is_none_or(|p| p == port))
+        self.parent_refs().iter().any(|p| {
+            !p.is_server()
+                && p.service(self.namespace()) == *service
+                && p.port.is_none_or(|p| p == port)
+        })
     }
 
     /// Validates a route; the message starts with the failing field.
@@ -490,6 +505,12 @@ impl Route {
 }
 
 impl ParentRef {
+    /// Whether this names a `Server` (an inbound route's parent).
+    pub fn is_server(&self) -> bool {
+        self.group.as_deref() == Some(crate::policy::POLICY_GROUP)
+            && self.kind.as_deref() == Some("Server")
+    }
+
     pub fn service(&self, route_namespace: &str) -> ServiceKey {
         ServiceKey::new(
             &self.name,
@@ -530,7 +551,7 @@ fn check_service_ref(
     if let Some(k) = kind {
         if k != "Service" {
             return Err(format!(
-                "field `{field}.kind`: {} is not supported; expected Service",
+                "field `{field}.kind`: {} is not supported; expected Service (or, for a parent, Server in group policy.linkerd.io)",
                 for_log(k)
             ));
         }
@@ -585,6 +606,23 @@ fn validate_route<R>(
     }
     check_count("parentRefs", route.parent_refs.len(), MAX_PARENT_REFS)?;
     for (i, p) in route.parent_refs.iter().enumerate() {
+        if p.is_server() {
+            let field = format!("parentRefs[{i}]");
+            if p.namespace
+                .as_ref()
+                .is_some_and(|ns| *ns != route.namespace)
+            {
+                return Err(format!(
+                    "field `{field}.namespace`: a route belongs to Servers of its own namespace"
+                ));
+            }
+            if !is_dns_subdomain(&p.name) || p.port.is_some() {
+                return Err(format!(
+                    "field `{field}`: a Server parent needs a valid name and no port"
+                ));
+            }
+            continue;
+        }
         check_service_ref(
             &format!("parentRefs[{i}]"),
             &p.group,

@@ -85,6 +85,16 @@ pub struct ControlArgs {
     /// clear); without --identity, serve plaintext only.
     #[arg(long)]
     insecure_control_plane: bool,
+    /// The inbound policy served for a workload port no Server selects, in
+    /// a namespace without a default of its own (docs/policy.md):
+    /// all-unauthenticated, all-authenticated, cluster-unauthenticated,
+    /// cluster-authenticated, deny or audit.
+    #[arg(long, default_value = "all-unauthenticated")]
+    default_inbound_policy: tether_core::policy::DefaultPolicy,
+    /// The networks of the cluster-* policies (comma-separated CIDRs).
+    #[arg(long, value_delimiter = ',', default_value = tether_control::inbound_policy::DEFAULT_CLUSTER_NETWORKS,
+          value_parser = |s: &str| s.trim().parse::<tether_core::policy::Cidr>())]
+    cluster_networks: Vec<tether_core::policy::Cidr>,
 }
 
 impl ControlArgs {
@@ -124,6 +134,8 @@ impl ControlArgs {
                 tether_identity::control::default_control_identity(&self.cluster_domain)
             }),
             insecure_control_plane: self.insecure_control_plane,
+            default_inbound_policy: self.default_inbound_policy,
+            cluster_networks: self.cluster_networks,
         };
         config.validate()?;
         Ok(config)

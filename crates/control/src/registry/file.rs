@@ -42,6 +42,7 @@ use std::time::{Duration, SystemTime};
 
 use notify::Watcher;
 use tether_core::authority::ServiceKey;
+use tether_core::policy::{PolicyKey, PolicySet};
 use tether_core::registry::{parse_documents, Document, EndpointSpec};
 use tether_core::route::{Route, RouteKey};
 use tether_core::truncate::bounded_message;
@@ -220,6 +221,11 @@ struct Loaded {
     mentions: HashMap<ServiceKey, BTreeSet<PathBuf>>,
     /// Files naming each route; the first in path order defines it.
     route_paths: HashMap<RouteKey, BTreeSet<PathBuf>>,
+    /// Files naming each policy resource; the first in path order defines it.
+    policy_paths: HashMap<PolicyKey, BTreeSet<PathBuf>>,
+    /// Set when a policy resource or a server's route changed, so the
+    /// index's policy set is rebuilt.
+    policies_changed: bool,
     /// Files whose definition of a service loses to an earlier path's, as
     /// last reported (so each conflict is logged once, and its end too).
     losing: HashMap<ServiceKey, BTreeSet<PathBuf>>,
@@ -241,6 +247,8 @@ impl Default for Loaded {
             files: HashMap::new(),
             mentions: HashMap::new(),
             route_paths: HashMap::new(),
+            policy_paths: HashMap::new(),
+            policies_changed: false,
             losing: HashMap::new(),
             link_of: HashMap::new(),
             linked_from: HashMap::new(),
@@ -319,38 +327,80 @@ impl Loaded {
             }
         }
         let routes: Vec<RouteKey> = docs.iter().filter_map(route_key).collect();
+        let policies: Vec<PolicyKey> = docs.iter().filter_map(policy_key).collect();
+        self.policies_changed |= docs.iter().any(is_policy);
         self.files
             .insert(path.to_path_buf(), FileEntry { probe, docs });
         for route in routes {
             let paths = self.route_paths.entry(route.clone()).or_default();
             paths.insert(path.to_path_buf());
-            // The file that loses now: this one, or the one this displaces.
-            let mut order = paths.iter();
-            let (first, second) = (order.next().cloned(), order.next().cloned());
-            let conflict = match (first, second) {
-                (Some(first), _) if first != path => Some((first, path.to_path_buf())),
-                (Some(first), Some(second)) => Some((first, second)),
-                _ => None,
-            };
-            if let Some((winner, loser)) = conflict {
-                self.problem(
-                    metrics,
-                    format!(
-                        "registry file {} rejected for {route}: {} defines it too and comes first in path order; \
-                         what {} says about it is ignored while that lasts",
-                        loser.display(),
-                        winner.display(),
-                        loser.display(),
-                    ),
-                );
-            }
+            let conflict = first_path_conflict(paths, path);
+            self.report_conflict(metrics, conflict, &route);
             // Whichever file now defines the route, the parents of every
             // definition may have changed.
             touched.extend(self.route_parents(&route));
         }
+        for policy in policies {
+            let paths = self.policy_paths.entry(policy.clone()).or_default();
+            paths.insert(path.to_path_buf());
+            let conflict = first_path_conflict(paths, path);
+            self.report_conflict(metrics, conflict, &policy);
+        }
         metrics.registry_events_applied.inc();
         tracing::debug!(file = %path.display(), services = touched.len(), "registry file applied");
         touched
+    }
+
+    fn report_conflict(
+        &mut self,
+        metrics: &ControlMetrics,
+        conflict: Option<(PathBuf, PathBuf)>,
+        what: &dyn std::fmt::Display,
+    ) {
+        if let Some((winner, loser)) = conflict {
+            self.problem(
+                metrics,
+                format!(
+                    "registry file {} rejected for {what}: {} defines it too and comes first in path order; \
+                     what {} says about it is ignored while that lasts",
+                    loser.display(),
+                    winner.display(),
+                    loser.display(),
+                ),
+            );
+        }
+    }
+
+    /// Every policy resource and server route, each from the first path
+    /// defining it.
+    fn policy_set(&self) -> PolicySet {
+        let first_doc = |paths: &BTreeSet<PathBuf>, wanted: &dyn Fn(&Document) -> bool| {
+            let path = paths.first()?;
+            self.files
+                .get(path)?
+                .docs
+                .iter()
+                .find(|d| wanted(d))
+                .cloned()
+        };
+        let mut set = PolicySet::default();
+        for (key, paths) in &self.policy_paths {
+            if let Some(Document::Policy(p)) =
+                first_doc(paths, &|d| policy_key(d).as_ref() == Some(key))
+            {
+                set.docs.insert(key.clone(), p);
+            }
+        }
+        for (key, paths) in &self.route_paths {
+            if let Some(Document::Route(r)) =
+                first_doc(paths, &|d| route_key(d).as_ref() == Some(key))
+            {
+                if !r.servers().is_empty() {
+                    set.server_routes.insert(key.clone(), r);
+                }
+            }
+        }
+        set
     }
 
     /// Records where a link resolves to now (nothing if it is not one).
@@ -399,7 +449,16 @@ impl Loaded {
         };
         let old = std::mem::take(&mut entry.docs);
         metrics.registry_documents.dec_by(old.len() as i64);
+        self.policies_changed |= old.iter().any(is_policy);
         for doc in &old {
+            if let Some(policy) = policy_key(doc) {
+                if let Some(paths) = self.policy_paths.get_mut(&policy) {
+                    paths.remove(path);
+                    if paths.is_empty() {
+                        self.policy_paths.remove(&policy);
+                    }
+                }
+            }
             for key in doc.mentions() {
                 if let Some(paths) = self.mentions.get_mut(&key) {
                     paths.remove(path);
@@ -590,10 +649,40 @@ fn route_key(doc: &Document) -> Option<RouteKey> {
     }
 }
 
-/// A file may define each service and each route once.
+fn policy_key(doc: &Document) -> Option<PolicyKey> {
+    match doc {
+        Document::Policy(p) => Some(p.key()),
+        _ => None,
+    }
+}
+
+/// Whether a document is part of the policy set: a policy resource, or a
+/// route attached to a `Server`.
+fn is_policy(doc: &Document) -> bool {
+    match doc {
+        Document::Policy(_) => true,
+        Document::Route(r) => !r.servers().is_empty(),
+        _ => false,
+    }
+}
+
+/// After `path` was added to the files naming one thing: the (winner,
+/// loser) pair that now conflicts, if any — this file losing, or the one
+/// this file displaces.
+fn first_path_conflict(paths: &BTreeSet<PathBuf>, path: &Path) -> Option<(PathBuf, PathBuf)> {
+    let mut order = paths.iter();
+    match (order.next().cloned(), order.next().cloned()) {
+        (Some(first), _) if first != path => Some((first, path.to_path_buf())),
+        (Some(first), Some(second)) => Some((first, second)),
+        _ => None,
+    }
+}
+
+/// A file may define each service, route and policy resource once.
 fn check_definitions(docs: Vec<Document>) -> Result<Vec<Document>, String> {
     let mut defined = BTreeSet::new();
     let mut routes = BTreeSet::new();
+    let mut policies = BTreeSet::new();
     for (i, doc) in docs.iter().enumerate() {
         if let (Document::Service(_), Some(key)) = (doc, doc.service_key()) {
             if !defined.insert(key.clone()) {
@@ -607,6 +696,14 @@ fn check_definitions(docs: Vec<Document>) -> Result<Vec<Document>, String> {
             if !routes.insert(route.clone()) {
                 return Err(format!(
                     "document {}: {route} is defined twice in this file",
+                    i + 1,
+                ));
+            }
+        }
+        if let Some(policy) = policy_key(doc) {
+            if !policies.insert(policy.clone()) {
+                return Err(format!(
+                    "document {}: {policy} is defined twice in this file",
                     i + 1,
                 ));
             }
@@ -650,6 +747,9 @@ fn apply(
     for key in touched {
         let state = loaded.merged(&key, metrics);
         index.set_service_observed(&key, state, observed_at);
+    }
+    if std::mem::take(&mut loaded.policies_changed) {
+        index.set_policies(loaded.policy_set());
     }
 }
 

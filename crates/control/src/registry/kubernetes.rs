@@ -282,6 +282,9 @@ impl World {
                             weight: 1,
                             meshed,
                             name: ep.target_ref.as_ref().and_then(|r| r.name.clone()),
+                            labels: pod
+                                .and_then(|p| p.metadata.labels.clone())
+                                .unwrap_or_default(),
                         });
                     }
                 }
