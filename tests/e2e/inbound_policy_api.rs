@@ -171,7 +171,7 @@ fn meta_of(m: Option<&Metadata>) -> Result<(String, String, String), String> {
 fn check_net(n: Option<&IpNetwork>) -> Result<String, String> {
     let n = need(n, "network")?;
     let ip = need(n.ip.as_ref(), "network address")?;
-    let addr = std::net::IpAddr::try_from(ip.clone()).map_err(|e| format!("{e:?}"))?;
+    let addr = std::net::IpAddr::try_from(*ip).map_err(|e| format!("{e:?}"))?;
     let max = if addr.is_ipv4() { 32 } else { 128 };
     if n.prefix_len > max {
         return Err(format!("prefix {} too long", n.prefix_len));
