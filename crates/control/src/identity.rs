@@ -233,15 +233,10 @@ impl IdentitySource {
                 .map(|f| self.dir.join(f))
                 .collect(),
         );
-        let mut tick = tokio::time::interval(IDENTITY_POLL);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = tick.tick() => {}
+                _ = stamps.next_change(IDENTITY_POLL) => {}
                 _ = shutdown.triggered() => return,
-            }
-            if !stamps.changed() {
-                continue;
             }
             let checked = read_identity(&self.dir).and_then(|(issuer, trust)| {
                 issuer.check(&trust).map_err(StartError::Unchained)?;

@@ -300,6 +300,7 @@ pub struct FileStamps {
     paths: Vec<PathBuf>,
     seen: Vec<Option<Stamp>>,
     read: Vec<Option<Stamp>>,
+    looks: Option<tokio::time::Interval>,
 }
 
 impl FileStamps {
@@ -310,6 +311,25 @@ impl FileStamps {
             paths,
             seen: now.clone(),
             read: now,
+            looks: None,
+        }
+    }
+
+    /// Looks every `every` and returns once [`FileStamps::changed`] says
+    /// the files should be read again.
+    pub async fn next_change(&mut self, every: std::time::Duration) {
+        loop {
+            self.looks
+                .get_or_insert_with(|| {
+                    let mut looks = tokio::time::interval(every);
+                    looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    looks
+                })
+                .tick()
+                .await;
+            if self.changed() {
+                return;
+            }
         }
     }
 

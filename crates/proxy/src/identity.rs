@@ -258,15 +258,10 @@ pub async fn follow_bundle(
     shutdown: Shutdown,
 ) {
     let mut stamps = FileStamps::new(vec![config.trust_root.clone()]);
-    let mut tick = tokio::time::interval(BUNDLE_POLL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = tick.tick() => {}
+            _ = stamps.next_change(BUNDLE_POLL) => {}
             _ = shutdown.triggered() => return,
-        }
-        if !stamps.changed() {
-            continue;
         }
         let trust = match Trust::read(&config.trust_root) {
             Ok(trust) => trust,
