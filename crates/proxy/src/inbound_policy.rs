@@ -448,8 +448,16 @@ impl ServerPolicy {
     }
 }
 
+/// A route's name: the resource's, or a default's own (`default`), as
+/// error messages show it after the server's name.
 fn route_meta(m: Option<meta::Metadata>) -> Result<String, InvalidServer> {
-    meta_name(m.ok_or_else(|| invalid("a route without metadata"))?)
+    match m
+        .and_then(|m| m.kind)
+        .ok_or_else(|| invalid("a route without metadata"))?
+    {
+        meta::metadata::Kind::Default(name) => Ok(shown("", &name)),
+        meta::metadata::Kind::Resource(r) => Ok(shown(&r.kind, &r.name)),
+    }
 }
 
 fn decide(authzs: &[Arc<Authorization>], route: &str, client: &Client<'_>) -> Decision {
@@ -899,6 +907,21 @@ mod tests {
         assert_eq!(s.name, "default:audit");
         assert!(
             matches!(s.check_connection(&client(None, "10.0.0.1")), Decision::Allowed { audit: true, ref authz, .. } if authz == "default:audit")
+        );
+        // A default route is named as such, without a prefix.
+        let mut routed = server(detect(vec![route("admin", "/admin", vec![])]), vec![]);
+        routed.protocol = Some(detect(vec![api::HttpRoute {
+            metadata: Some(meta::Metadata {
+                kind: Some(meta::metadata::Kind::Default("default".into())),
+            }),
+            ..route("ignored", "/", vec![])
+        }]));
+        let routed = ServerPolicy::from_api(routed).unwrap();
+        assert_eq!(
+            routed.check_request(&get("/x"), "web", &client(None, "10.0.0.1")),
+            Decision::Denied {
+                route: "default".into()
+            }
         );
         // An older control plane: `default:<name>` without a kind.
         let mut old = server(detect(vec![]), vec![]);
