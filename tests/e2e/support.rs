@@ -366,6 +366,20 @@ where
     false
 }
 
+/// Waits (at most `timeout`) until the proxy at `admin` follows `n`
+/// endpoints of `authority`. The metric is refreshed every second, and
+/// only once a request made the proxy follow the authority.
+pub async fn follows(admin: SocketAddr, authority: &str, n: usize, timeout: Duration) -> bool {
+    eventually(timeout, || async {
+        metric_value(
+            &metrics(admin).await,
+            "tether_proxy_discovery_endpoints",
+            &[("authority", authority)],
+        ) == n as f64
+    })
+    .await
+}
+
 pub async fn metrics(admin: SocketAddr) -> String {
     tether_mesh_up::stats::http_get(admin, "/metrics")
         .await
