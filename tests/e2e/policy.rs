@@ -299,7 +299,9 @@ async fn a_denied_grpc_call_gets_permission_denied_through_the_mesh() {
     let meshed = tether_mesh_up::demo_grpc::channel(client.addr("outbound"), &web)
         .await
         .unwrap();
-    let reply = tether_mesh_up::demo_grpc::hello(meshed, "mesh").await.unwrap();
+    let reply = tether_mesh_up::demo_grpc::hello(meshed, "mesh")
+        .await
+        .unwrap();
     assert_eq!(reply.message, "hello, mesh");
     let direct = tether_mesh_up::demo_grpc::channel(web_proxy.addr("inbound"), &web)
         .await
