@@ -37,6 +37,7 @@ use linkerd2_proxy_api::inbound::{
 use linkerd2_proxy_api::meta;
 use tether_admin::{Readiness, Shutdown};
 use tether_core::backoff::{jittered, Backoff};
+use tether_core::log_limit::LogLimit;
 use tokio::sync::watch;
 
 use crate::authz::Network;
@@ -485,6 +486,9 @@ pub struct PolicyCounters {
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// However often the control plane sends a policy, it is logged at most
+/// this often (each is counted).
+static APPLIED_LOG: LogLimit = LogLimit::new(Duration::from_secs(5));
 /// How often to ask again a control plane that serves no inbound policy
 /// (an older one), or none for this workload.
 const NO_POLICY_RETRY: Duration = Duration::from_secs(10);
@@ -586,7 +590,9 @@ impl Follow {
             if let Some(server) = next.take() {
                 match ServerPolicy::from_api(server) {
                     Ok(p) => {
-                        tracing::info!(port, server = %p.name, "inbound policy applied");
+                        if let Some(suppressed) = APPLIED_LOG.allow() {
+                            tracing::info!(port, server = %p.name, suppressed, "inbound policy applied");
+                        }
                         tx.send_replace(Some(Arc::new(p)));
                         self.counters.applied.inc();
                     }
