@@ -367,10 +367,34 @@ async fn certificates_rotate_with_no_failed_request() {
     // makes it handshake again: the server moves to a fresh relay address,
     // again and again. Each handshake presents both proxies' current
     // certificates, and each side refuses an expired one.
+    //
+    // Rotations are counted, not timed: the server moves until both proxies
+    // have renewed three times and two handshakes came after the first
+    // certificates expired. On a loaded machine each move and renewal
+    // takes longer, and a fixed 7 s window saw too few of them; only a
+    // rotation that stopped reaches the bound.
+    let renewals = |admin| async move {
+        metric_value(
+            &metrics(admin).await,
+            "tether_identity_renewals_total",
+            &[("outcome", "ok")],
+        )
+    };
+    let (server_admin, client_admin) = (mesh.server.addr("admin"), mesh.client.addr("admin"));
     let mut relays = Vec::new();
     let mut sent = 0;
     let mut handshakes_after_expiry = 0;
-    while first_issued.elapsed() < 3 * LIFETIME + LIFETIME / 2 {
+    loop {
+        let renewed = [renewals(server_admin).await, renewals(client_admin).await];
+        if handshakes_after_expiry >= 2 && renewed.iter().all(|r| *r >= 3.0) {
+            break;
+        }
+        assert!(
+            first_issued.elapsed() < 15 * LIFETIME,
+            "{handshakes_after_expiry} handshakes after the first certificates expired, \
+             renewals (server, client) {renewed:?}, in {:?} with a {LIFETIME:?} lifetime",
+            first_issued.elapsed()
+        );
         let relay = tap(mesh.server.addr("inbound")).await;
         endpoint_with_identity(&mesh.scratch, relay.addr, &id("web"));
         let moved = std::time::Instant::now();
@@ -396,18 +420,6 @@ async fn certificates_rotate_with_no_failed_request() {
             handshakes_after_expiry += 1;
         }
         relays.push(relay);
-    }
-    assert!(
-        handshakes_after_expiry >= 2,
-        "only {handshakes_after_expiry} handshakes after the first certificates expired"
-    );
-    for proxy in [&mesh.server, &mesh.client] {
-        let m = metrics(proxy.addr("admin")).await;
-        let renewals = metric_value(&m, "tether_identity_renewals_total", &[("outcome", "ok")]);
-        assert!(
-            renewals >= 3.0,
-            "only {renewals} certificates in 7s with a 2s lifetime"
-        );
     }
     // A new client, whose first handshake meets the server's rotated certificate.
     let args = mesh.scratch.identity_args(&mesh.ca, &id("late"), &mesh.ca);
