@@ -16,21 +16,7 @@ const WEB: &str = "web.test.serviceaccount.identity.cluster.local";
 const FIRST_ATTEMPT: Duration = Duration::from_secs(10);
 
 async fn control(scratch: &Scratch, name: &str, ca: &Path, extra: &[&str]) -> Process {
-    let registry = scratch.registry().display().to_string();
-    let ca = ca.display().to_string();
-    let mut args = vec![
-        "control",
-        "--registry",
-        &registry,
-        "--grpc",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-        "--identity",
-        &ca,
-    ];
-    args.extend(extra);
-    scratch.spawn(name, &args, &["grpc", "admin"]).await
+    scratch.control_with_identity_and(name, ca, extra).await
 }
 
 /// Waits until `name`'s log contains `text`; whether it did.

@@ -153,26 +153,32 @@ impl Scratch {
         id_dir: &Path,
         leaf_secs: &str,
     ) -> Process {
+        self.control_with_identity_and(name, id_dir, &["--identity-leaf-lifetime", leaf_secs])
+            .await
+    }
+
+    /// As [`Scratch::control_with_identity`], with `extra` flags.
+    pub async fn control_with_identity_and(
+        &self,
+        name: &str,
+        id_dir: &Path,
+        extra: &[&str],
+    ) -> Process {
         let registry = self.registry().display().to_string();
         let id = id_dir.display().to_string();
-        self.spawn(
-            name,
-            &[
-                "control",
-                "--registry",
-                &registry,
-                "--grpc",
-                "127.0.0.1:0",
-                "--admin",
-                "127.0.0.1:0",
-                "--identity",
-                &id,
-                "--identity-leaf-lifetime",
-                leaf_secs,
-            ],
-            &["grpc", "admin"],
-        )
-        .await
+        let mut args = vec![
+            "control",
+            "--registry",
+            &registry,
+            "--grpc",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--identity",
+            &id,
+        ];
+        args.extend(extra);
+        self.spawn(name, &args, &["grpc", "admin"]).await
     }
 
     /// A control plane on a chosen gRPC address (to restart it in place).
@@ -295,7 +301,26 @@ pub async fn request(
     path: &str,
     version: Version,
 ) -> anyhow::Result<Answer> {
-    let stream = tokio::net::TcpStream::connect(connect).await?;
+    request_from(None, connect, authority, path, version).await
+}
+
+/// As [`request`], from the loopback address `source` when given (any of
+/// 127.0.0.0/8 works without setup).
+pub async fn request_from(
+    source: Option<std::net::IpAddr>,
+    connect: SocketAddr,
+    authority: &str,
+    path: &str,
+    version: Version,
+) -> anyhow::Result<Answer> {
+    let stream = match source {
+        None => tokio::net::TcpStream::connect(connect).await?,
+        Some(ip) => {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.bind(SocketAddr::new(ip, 0))?;
+            socket.connect(connect).await?
+        }
+    };
     let io = TokioIo::new(stream);
     let body = Full::new(Bytes::new());
     let rsp = if version == Version::HTTP_2 {
@@ -528,6 +553,17 @@ pub async fn tls_get(
     server_identity: &str,
     authority: &str,
 ) -> anyhow::Result<Answer> {
+    tls_get_path(connect, tls, server_identity, authority, "/").await
+}
+
+/// As [`tls_get`], for `path`.
+pub async fn tls_get_path(
+    connect: SocketAddr,
+    tls: std::sync::Arc<rustls::ClientConfig>,
+    server_identity: &str,
+    authority: &str,
+    path: &str,
+) -> anyhow::Result<Answer> {
     let tcp = tokio::net::TcpStream::connect(connect).await?;
     let name = rustls::pki_types::ServerName::try_from(server_identity.to_string())?;
     let stream = tokio_rustls::TlsConnector::from(tls)
@@ -535,7 +571,7 @@ pub async fn tls_get(
         .await?;
     let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(conn);
-    let req = http::Request::get("/")
+    let req = http::Request::get(path)
         .header(http::header::HOST, authority)
         .body(Full::new(Bytes::new()))?;
     let rsp = s.send_request(req).await?;
