@@ -730,3 +730,83 @@ async fn a_policy_change_denies_new_requests_without_failing_allowed_ones_under_
         "{m}"
     );
 }
+
+/// An echo exchange over mTLS to an opaque inbound, as `tls`'s identity:
+/// the open stream.
+async fn tls_echo(
+    inbound: SocketAddr,
+    tls: std::sync::Arc<rustls::ClientConfig>,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let tcp = tokio::net::TcpStream::connect(inbound).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from(SERVER.to_string()).unwrap();
+    let mut stream = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    stream.write_all(b"hello\n").await.unwrap();
+    let mut got = [0u8; 6];
+    tokio::time::timeout(Duration::from_secs(10), stream.read_exact(&mut got))
+        .await
+        .expect("no echo")
+        .unwrap();
+    assert_eq!(&got, b"hello\n");
+    stream
+}
+
+/// A policy change closes the open opaque connections of the client it
+/// now denies, and keeps the others open.
+#[tokio::test]
+async fn a_policy_change_closes_the_opaque_connections_it_denies_and_no_others() {
+    let scratch = Scratch::new();
+    let ca = scratch.identity_init("ca");
+    let app = echo_server().await;
+    let port = app.port();
+    let opaque = |ids: &[&str]| {
+        callers_policy(port, ids).replace(
+            &format!("port: {port}\n"),
+            &format!("port: {port}\nproxyProtocol: opaque\n"),
+        )
+    };
+    scratch.write("web.yaml", &workloads("test", &["web-0"]));
+    scratch.write("policy.yaml", &opaque(&[CLIENT, OTHER]));
+    let control = policy_control(&scratch, &ca).await;
+    let proxy = server(
+        &scratch,
+        "web-0-proxy",
+        control.addr("grpc"),
+        &ca,
+        app,
+        &["--workload", "test/web-0", "--inbound-opaque"],
+    )
+    .await;
+    let inbound = proxy.addr("inbound");
+    let clients = Clients::new(&control, &ca).await;
+    // Plaintext is no mesh identity: closed at once.
+    assert_eq!(echo(inbound).await, b"");
+    let mut allowed = tls_echo(inbound, clients.client.clone()).await;
+    let mut denied = tls_echo(inbound, clients.other.clone()).await;
+    scratch.write("policy.yaml", &opaque(&[CLIENT]));
+    let mut buf = [0u8; 16];
+    let closed = tokio::time::timeout(Duration::from_secs(10), denied.read(&mut buf)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "OTHER's connection was not closed: {closed:?}"
+    );
+    allowed.write_all(b"again\n").await.unwrap();
+    let mut got = [0u8; 6];
+    tokio::time::timeout(Duration::from_secs(10), allowed.read_exact(&mut got))
+        .await
+        .expect("the allowed connection stopped echoing")
+        .unwrap();
+    assert_eq!(&got, b"again\n");
+    let m = metrics(proxy.addr("admin")).await;
+    assert_eq!(
+        metric_value(
+            &m,
+            "tether_proxy_inbound_denied_total",
+            &[("server", "web-0"), ("client_id", OTHER)]
+        ),
+        1.0,
+        "{m}"
+    );
+}
