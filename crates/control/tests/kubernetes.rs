@@ -37,6 +37,12 @@ const SLICES: &str = "/apis/discovery.k8s.io/v1/endpointslices";
 const PODS: &str = "/api/v1/pods";
 const HTTPROUTES: &str = "/apis/gateway.networking.k8s.io/v1/httproutes";
 const GRPCROUTES: &str = "/apis/gateway.networking.k8s.io/v1/grpcroutes";
+const SERVERS: &str = "/apis/policy.linkerd.io/v1beta3/servers";
+const AUTHORIZATION_POLICIES: &str = "/apis/policy.linkerd.io/v1alpha1/authorizationpolicies";
+const MESH_TLS: &str = "/apis/policy.linkerd.io/v1alpha1/meshtlsauthentications";
+const NETWORK_AUTHNS: &str = "/apis/policy.linkerd.io/v1alpha1/networkauthentications";
+const POLICY_HTTPROUTES: &str = "/apis/policy.linkerd.io/v1beta3/httproutes";
+const NAMESPACES: &str = "/api/v1/namespaces";
 const TOKEN_REVIEWS: &str = "/apis/authentication.k8s.io/v1/tokenreviews";
 
 #[derive(Default)]
@@ -66,6 +72,8 @@ struct ApiServer {
     release_pods: Arc<Notify>,
     /// Whether the Gateway API CRDs are installed (404 for routes if not).
     routes_installed: Arc<AtomicBool>,
+    /// Whether Linkerd's policy CRDs are installed and Namespaces listable.
+    policies_installed: Arc<AtomicBool>,
 }
 
 fn list_kind(path: &str) -> (&'static str, &'static str, &'static str) {
@@ -74,6 +82,24 @@ fn list_kind(path: &str) -> (&'static str, &'static str, &'static str) {
         SLICES => ("discovery.k8s.io/v1", "EndpointSliceList", "EndpointSlice"),
         HTTPROUTES => ("gateway.networking.k8s.io/v1", "HTTPRouteList", "HTTPRoute"),
         GRPCROUTES => ("gateway.networking.k8s.io/v1", "GRPCRouteList", "GRPCRoute"),
+        SERVERS => ("policy.linkerd.io/v1beta3", "ServerList", "Server"),
+        AUTHORIZATION_POLICIES => (
+            "policy.linkerd.io/v1alpha1",
+            "AuthorizationPolicyList",
+            "AuthorizationPolicy",
+        ),
+        MESH_TLS => (
+            "policy.linkerd.io/v1alpha1",
+            "MeshTLSAuthenticationList",
+            "MeshTLSAuthentication",
+        ),
+        NETWORK_AUTHNS => (
+            "policy.linkerd.io/v1alpha1",
+            "NetworkAuthenticationList",
+            "NetworkAuthentication",
+        ),
+        POLICY_HTTPROUTES => ("policy.linkerd.io/v1beta3", "HTTPRouteList", "HTTPRoute"),
+        NAMESPACES => ("v1", "NamespaceList", "Namespace"),
         _ => ("v1", "PodList", "Pod"),
     }
 }
@@ -87,7 +113,7 @@ impl ApiServer {
         v["metadata"]["resourceVersion"] = rv.to_string().into();
         let key = format!(
             "{}/{}",
-            v["metadata"]["namespace"].as_str().unwrap(),
+            v["metadata"]["namespace"].as_str().unwrap_or(""),
             v["metadata"]["name"].as_str().unwrap()
         );
         let existed = s
@@ -160,6 +186,29 @@ impl ApiServer {
             PODS => PODS,
             HTTPROUTES if self.routes_installed.load(Ordering::SeqCst) => HTTPROUTES,
             GRPCROUTES if self.routes_installed.load(Ordering::SeqCst) => GRPCROUTES,
+            path if self.policies_installed.load(Ordering::SeqCst)
+                && [
+                    SERVERS,
+                    AUTHORIZATION_POLICIES,
+                    MESH_TLS,
+                    NETWORK_AUTHNS,
+                    POLICY_HTTPROUTES,
+                    NAMESPACES,
+                ]
+                .contains(&path) =>
+            {
+                [
+                    SERVERS,
+                    AUTHORIZATION_POLICIES,
+                    MESH_TLS,
+                    NETWORK_AUTHNS,
+                    POLICY_HTTPROUTES,
+                    NAMESPACES,
+                ]
+                .into_iter()
+                .find(|p| *p == path)
+                .unwrap()
+            }
             other => {
                 let body = format!("{{\"kind\":\"Status\",\"apiVersion\":\"v1\",\"status\":\"Failure\",\"message\":\"no {other}\",\"code\":404}}");
                 return http::Response::builder()
@@ -597,6 +646,140 @@ async fn routes_come_from_the_gateway_api_crds() {
     api.upsert(HTTPROUTES, invalid);
     assert!(eventually(|| metrics.registry_reload_errors.get() >= 1).await);
     assert_eq!(canary_weight(&index), Some(30));
+}
+
+fn policy_object(
+    kind: &str,
+    version: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": format!("policy.linkerd.io/{version}"), "kind": kind,
+        "metadata": {"name": name, "namespace": "demo"},
+        "spec": spec,
+    })
+}
+
+fn server(port: u16) -> serde_json::Value {
+    policy_object(
+        "Server",
+        "v1beta3",
+        "web-http",
+        serde_json::json!({"podSelector": {"matchLabels": {"app": "web"}}, "port": port, "proxyProtocol": "HTTP/1"}),
+    )
+}
+
+#[tokio::test]
+async fn policies_come_from_the_linkerd_crds_and_namespace_annotations() {
+    use tether_core::policy::{DefaultPolicy, PolicyDoc, PolicyKind, ServerPort, WorkloadKey};
+    let api = ApiServer::default();
+    api.policies_installed.store(true, Ordering::SeqCst);
+    api.upsert(SERVICES, service());
+    let mut labelled = pod("web-0");
+    labelled.metadata.labels = Some(BTreeMap::from([("app".to_string(), "web".to_string())]));
+    api.upsert(PODS, labelled);
+    api.upsert(SLICES, slice(&[("10.1.0.5", "web-0", true)]));
+    api.upsert(SERVERS, server(8080));
+    api.upsert(
+        AUTHORIZATION_POLICIES,
+        policy_object(
+            "AuthorizationPolicy",
+            "v1alpha1",
+            "web-clients",
+            serde_json::json!({
+                "targetRef": {"group": "policy.linkerd.io", "kind": "Server", "name": "web-http"},
+                "requiredAuthenticationRefs": [{"group": "policy.linkerd.io", "kind": "MeshTLSAuthentication", "name": "clients"}],
+            }),
+        ),
+    );
+    api.upsert(
+        MESH_TLS,
+        policy_object(
+            "MeshTLSAuthentication",
+            "v1alpha1",
+            "clients",
+            serde_json::json!({"identities": ["*.demo.serviceaccount.identity.cluster.local"]}),
+        ),
+    );
+    api.upsert(
+        POLICY_HTTPROUTES,
+        policy_object(
+            "HTTPRoute",
+            "v1beta3",
+            "admin",
+            serde_json::json!({
+                "parentRefs": [{"group": "policy.linkerd.io", "kind": "Server", "name": "web-http"}],
+                "rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/admin"}}]}],
+            }),
+        ),
+    );
+    api.upsert(
+        NAMESPACES,
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "demo", "annotations": {"config.linkerd.io/default-inbound-policy": "deny"}},
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(api.clone().serve(listener));
+
+    let metrics = ControlMetrics::default();
+    let index = Index::new(metrics.clone());
+    let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
+    let lag = WatchLag::new_with_constructor(tether_control::metrics::LatencyBuckets);
+    let registry = KubernetesRegistry::new(client, "cluster.local", metrics.clone(), lag);
+    let loaded = Arc::new(AtomicBool::new(false));
+    let flag = loaded.clone();
+    tokio::spawn(registry.run(
+        index.clone(),
+        Box::new(move || flag.store(true, Ordering::SeqCst)),
+    ));
+    assert!(
+        eventually(|| loaded.load(Ordering::SeqCst)).await,
+        "never loaded"
+    );
+    // Everything listed is in the policy set when loading completes.
+    let set = index.policies();
+    assert_eq!(set.namespace_default("demo"), Some(DefaultPolicy::Deny));
+    let server_port = |set: &tether_core::policy::PolicySet| match set.get(
+        PolicyKind::Server,
+        "demo",
+        "web-http",
+    ) {
+        Some(PolicyDoc::Server(s)) => Some(s.port.clone()),
+        _ => None,
+    };
+    assert_eq!(server_port(&set), Some(ServerPort::Number(8080)));
+    assert!(set
+        .get(PolicyKind::AuthorizationPolicy, "demo", "web-clients")
+        .is_some());
+    assert!(set
+        .get(PolicyKind::MeshTlsAuthentication, "demo", "clients")
+        .is_some());
+    assert_eq!(set.server_routes.len(), 1, "{:?}", set.server_routes);
+    assert_eq!(metrics.registry_reload_errors.get(), 0);
+    // The pod's labels are the workload's.
+    let web0 = WorkloadKey {
+        namespace: "demo".into(),
+        name: "web-0".into(),
+    };
+    assert_eq!(
+        index.workload(&web0),
+        Some(BTreeMap::from([("app".to_string(), "web".to_string())]))
+    );
+
+    // A change arrives through the watch; an invalid version is rejected
+    // and the last valid one stays.
+    api.upsert(SERVERS, server(9090));
+    assert!(eventually(|| server_port(&index.policies()) == Some(ServerPort::Number(9090))).await);
+    api.upsert(SERVERS, server(0));
+    assert!(eventually(|| metrics.registry_reload_errors.get() >= 1).await);
+    assert_eq!(
+        server_port(&index.policies()),
+        Some(ServerPort::Number(9090))
+    );
 }
 
 #[tokio::test]

@@ -134,6 +134,14 @@ const ROUTES_NOTE: &str = "\
 # gateway.networking.k8s.io/v1, which this does not install. Install them
 # first (the Gateway API's standard-install.yaml, v1.1 or later, has both);
 # without them tether control serves no routes and logs that once.
+#
+# Authorization policy (Server v1beta3, AuthorizationPolicy,
+# MeshTLSAuthentication, NetworkAuthentication v1alpha1, HTTPRoute v1beta3)
+# comes from Linkerd's CRDs, group policy.linkerd.io, which this does not
+# install either: `linkerd install --crds | kubectl apply -f -`, or the
+# linkerd-crds Helm chart (2.15 or later). Without them every port gets the
+# namespace's default policy (annotation config.linkerd.io/default-inbound-policy)
+# or --default-inbound-policy; see docs/policy.md.
 ";
 
 /// Every manifest of the control plane, as YAML documents.
@@ -168,7 +176,11 @@ pub fn install(o: &InstallOptions) -> anyhow::Result<String> {
     push(&ClusterRole {
         metadata: meta("tether-control", None),
         rules: Some(vec![
-            rule(&[""], &["services", "pods"], &["get", "list", "watch"]),
+            rule(
+                &[""],
+                &["services", "pods", "namespaces"],
+                &["get", "list", "watch"],
+            ),
             rule(
                 &["discovery.k8s.io"],
                 &["endpointslices"],
@@ -179,6 +191,18 @@ pub fn install(o: &InstallOptions) -> anyhow::Result<String> {
             rule(
                 &["gateway.networking.k8s.io"],
                 &["httproutes", "grpcroutes"],
+                &["get", "list", "watch"],
+            ),
+            // Authorization policy (docs/policy.md); the CRDs are Linkerd's.
+            rule(
+                &["policy.linkerd.io"],
+                &[
+                    "servers",
+                    "authorizationpolicies",
+                    "meshtlsauthentications",
+                    "networkauthentications",
+                    "httproutes",
+                ],
                 &["get", "list", "watch"],
             ),
         ]),
@@ -703,6 +727,7 @@ mod tests {
         assert_eq!(
             granted,
             vec![
+                ("".into(), "namespaces".into(), watch.clone()),
                 ("".into(), "pods".into(), watch.clone()),
                 ("".into(), "services".into(), watch.clone()),
                 (
@@ -723,8 +748,29 @@ mod tests {
                 (
                     "gateway.networking.k8s.io".into(),
                     "httproutes".into(),
-                    watch
+                    watch.clone()
                 ),
+                (
+                    "policy.linkerd.io".into(),
+                    "authorizationpolicies".into(),
+                    watch.clone()
+                ),
+                (
+                    "policy.linkerd.io".into(),
+                    "httproutes".into(),
+                    watch.clone()
+                ),
+                (
+                    "policy.linkerd.io".into(),
+                    "meshtlsauthentications".into(),
+                    watch.clone()
+                ),
+                (
+                    "policy.linkerd.io".into(),
+                    "networkauthentications".into(),
+                    watch.clone()
+                ),
+                ("policy.linkerd.io".into(), "servers".into(), watch),
             ],
             "RBAC must cover exactly the watched resources and TokenReview"
         );

@@ -22,15 +22,26 @@
 //!   registry works without them (the watch keeps retrying, so routes
 //!   appear once the CRDs are installed).
 //!
+//! - Authorization policy (`docs/policy.md`): Linkerd's `policy.linkerd.io`
+//!   CRDs — `Server` (v1beta3), `AuthorizationPolicy`,
+//!   `MeshTLSAuthentication`, `NetworkAuthentication` (v1alpha1) and its
+//!   `HTTPRoute` (v1beta3) — parsed exactly like the registry file's
+//!   documents, and each Namespace's `config.linkerd.io/default-inbound-policy`
+//!   annotation. Routes of either group whose parentRefs name a `Server`
+//!   are the server's. A pod's labels are its endpoints' `labels`. A
+//!   missing CRD, or Namespaces the control plane may not list, is logged
+//!   once and does not hold up the first load.
+//!
 //! The registry is loaded once Services, EndpointSlices and Pods have been
-//! listed, and each route kind listed or found missing.
+//! listed, and each route and policy kind (and Namespaces) listed or found
+//! missing.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Instant;
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Pod, Service};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher::{self, Event};
@@ -40,13 +51,20 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use tether_core::authority::ServiceKey;
-use tether_core::registry::{EndpointSpec, MulticlusterMode, PortSpec, RetryBudget};
+use tether_core::log_limit::LogLimit;
+use tether_core::policy::{
+    parse_policy, DefaultPolicy, NamespaceDoc, PolicyDoc, PolicyKey, PolicyKind, PolicySet,
+    POLICY_GROUP,
+};
+use tether_core::registry::{Document, EndpointSpec, MulticlusterMode, PortSpec, RetryBudget};
 use tether_core::route::{Route, RouteKey, RouteKind};
 use tether_core::truncate::bounded_message;
 
 use super::{Registry, RegistryError};
 use crate::index::{Index, ServiceState};
 use crate::metrics::ControlMetrics;
+
+static BAD_ANNOTATION_LOG: LogLimit = LogLimit::new(std::time::Duration::from_secs(60));
 
 pub const GLOBAL_ID: &str = "tether.io/global-id";
 pub const MODE: &str = "tether.io/multicluster-mode";
@@ -92,7 +110,67 @@ enum Change {
     Route(RouteKind, Event<DynamicObject>),
     /// A route kind's CRD is not installed.
     NoCrd(RouteKind),
+    Policy(PolicyCrd, Event<DynamicObject>),
+    Namespace(Event<Namespace>),
+    /// A policy CRD is not installed, or Namespaces may not be listed.
+    Missing(Optional),
 }
+
+/// The policy kinds watched as `policy.linkerd.io` CRDs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum PolicyCrd {
+    Server,
+    AuthorizationPolicy,
+    MeshTlsAuthentication,
+    NetworkAuthentication,
+    /// Linkerd's own HTTPRoute (its parentRefs name Servers).
+    HttpRoute,
+}
+
+impl PolicyCrd {
+    const ALL: [PolicyCrd; 5] = [
+        Self::Server,
+        Self::AuthorizationPolicy,
+        Self::MeshTlsAuthentication,
+        Self::NetworkAuthentication,
+        Self::HttpRoute,
+    ];
+
+    fn kind(self) -> &'static str {
+        match self {
+            Self::Server => "Server",
+            Self::AuthorizationPolicy => "AuthorizationPolicy",
+            Self::MeshTlsAuthentication => "MeshTLSAuthentication",
+            Self::NetworkAuthentication => "NetworkAuthentication",
+            Self::HttpRoute => "HTTPRoute",
+        }
+    }
+
+    pub fn version(self) -> &'static str {
+        match self {
+            Self::Server | Self::HttpRoute => "v1beta3",
+            _ => "v1alpha1",
+        }
+    }
+
+    fn resource(self) -> ApiResource {
+        ApiResource::from_gvk(&GroupVersionKind::gvk(
+            POLICY_GROUP,
+            self.version(),
+            self.kind(),
+        ))
+    }
+}
+
+/// What may be absent without holding up the first load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Optional {
+    Policy(PolicyCrd),
+    Namespaces,
+}
+
+/// The namespace annotation naming the namespace's default policy.
+pub const DEFAULT_POLICY_ANNOTATION: &str = "config.linkerd.io/default-inbound-policy";
 
 /// Everything watched, by namespace and name.
 #[derive(Default)]
@@ -104,6 +182,12 @@ struct World {
     grpc_routes: HashMap<(String, String), DynamicObject>,
     /// The valid routes, by kind, namespace and name.
     routes: HashMap<RouteKey, Route>,
+    policy_objects: HashMap<PolicyCrd, HashMap<(String, String), DynamicObject>>,
+    /// The valid policy resources; Linkerd's HTTPRoutes apart, so they
+    /// never clash with a Gateway API route of the same name.
+    policies: BTreeMap<PolicyKey, PolicyDoc>,
+    linkerd_routes: BTreeMap<RouteKey, Route>,
+    namespaces: HashMap<(String, String), Namespace>,
 }
 
 /// The Gateway API group routes come from.
@@ -114,8 +198,8 @@ fn route_resource(kind: RouteKind) -> ApiResource {
 }
 
 /// A Kubernetes route as the registry's route: its `spec` with the
-/// metadata's name and namespace, only the parentRefs naming Services.
-/// `Ok(None)` for a route that attaches to no Service (a Gateway's).
+/// metadata's name and namespace, only the parentRefs naming Services (or
+/// Servers). `Ok(None)` for a route that attaches to neither (a Gateway's).
 fn route_of(kind: RouteKind, o: &DynamicObject) -> Result<Option<Route>, String> {
     let mut spec = o.data.get("spec").cloned().unwrap_or_default();
     let Some(fields) = spec.as_object_mut() else {
@@ -127,7 +211,8 @@ fn route_of(kind: RouteKind, o: &DynamicObject) -> Result<Option<Route>, String>
             .and_then(|g| g.as_str())
             .unwrap_or(GATEWAY_GROUP);
         let kind = p.get("kind").and_then(|k| k.as_str()).unwrap_or("Gateway");
-        (group.is_empty() || group == "core") && kind == "Service"
+        ((group.is_empty() || group == "core") && kind == "Service")
+            || (group == POLICY_GROUP && kind == "Server")
     };
     let parents: Vec<serde_json::Value> = fields
         .get("parentRefs")
@@ -145,6 +230,27 @@ fn route_of(kind: RouteKind, o: &DynamicObject) -> Result<Option<Route>, String>
         return Err("spec is not a mapping".into());
     };
     tether_core::registry::parse_route(kind, map).map(Some)
+}
+
+/// A policy object's `spec`, with the metadata's name and namespace, as
+/// the registry's document (`Ok(None)` for a Linkerd HTTPRoute attached to
+/// no Server).
+fn policy_of(crd: PolicyCrd, o: &DynamicObject) -> Result<Option<Document>, String> {
+    if crd == PolicyCrd::HttpRoute {
+        return Ok(route_of(RouteKind::Http, o)?.map(Document::Route));
+    }
+    let mut spec = o.data.get("spec").cloned().unwrap_or_default();
+    let Some(fields) = spec.as_object_mut() else {
+        return Err("no spec".into());
+    };
+    fields.insert("name".into(), o.name_any().into());
+    fields.insert("namespace".into(), o.namespace().unwrap_or_default().into());
+    let serde_yaml::Value::Mapping(map) = serde_yaml::to_value(&spec).map_err(bounded_message)?
+    else {
+        return Err("spec is not a mapping".into());
+    };
+    let kind = PolicyKind::from_kind(crd.kind()).expect("every policy CRD is a policy kind");
+    parse_policy(kind, map).map(|p| Some(Document::Policy(p)))
 }
 
 fn key_of<K: ResourceExt>(o: &K) -> (String, String) {
@@ -353,6 +459,87 @@ impl World {
         affected
     }
 
+    /// Takes up the current version of each touched policy object (an
+    /// invalid one is logged and its last valid version kept).
+    fn update_policies(
+        &mut self,
+        crd: PolicyCrd,
+        touched: &[DynamicObject],
+        metrics: &ControlMetrics,
+    ) {
+        for o in touched {
+            let (namespace, name) = key_of(o);
+            let current = self
+                .policy_objects
+                .get(&crd)
+                .and_then(|objects| objects.get(&(namespace.clone(), name.clone())))
+                .map(|o| policy_of(crd, o));
+            let what = format!("{POLICY_GROUP} {} {namespace}/{name}", crd.kind());
+            let route_key = RouteKey {
+                kind: RouteKind::Http,
+                namespace: namespace.clone(),
+                name: name.clone(),
+            };
+            let policy_key =
+                PolicyKind::from_kind(crd.kind()).map(|k| PolicyKey::new(k, &namespace, &name));
+            match current {
+                Some(Err(e)) => {
+                    metrics.registry_reload_errors.inc();
+                    tracing::error!("{what} rejected: {e}; its last valid version stays in force");
+                }
+                Some(Ok(Some(Document::Policy(p)))) => {
+                    self.policies.insert(p.key(), p);
+                }
+                Some(Ok(Some(Document::Route(r)))) => {
+                    self.linkerd_routes.insert(route_key, r);
+                }
+                _ => {
+                    if let Some(key) = policy_key {
+                        self.policies.remove(&key);
+                    }
+                    if crd == PolicyCrd::HttpRoute {
+                        self.linkerd_routes.remove(&route_key);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every policy resource, namespace default and server route.
+    fn policy_set(&self) -> PolicySet {
+        let mut set = PolicySet {
+            docs: self.policies.clone(),
+            server_routes: self.linkerd_routes.clone(),
+        };
+        for ((_, name), ns) in &self.namespaces {
+            let Some(value) = ns.annotations().get(DEFAULT_POLICY_ANNOTATION) else {
+                continue;
+            };
+            match value.parse::<DefaultPolicy>() {
+                Ok(policy) => {
+                    let doc = PolicyDoc::Namespace(NamespaceDoc {
+                        name: name.clone(),
+                        default_inbound_policy: Some(policy),
+                    });
+                    set.docs.insert(doc.key(), doc);
+                }
+                Err(e) => {
+                    if let Some(suppressed) = BAD_ANNOTATION_LOG.allow() {
+                        tracing::warn!(namespace = %name, suppressed, "{DEFAULT_POLICY_ANNOTATION}: {e}; ignored");
+                    }
+                }
+            }
+        }
+        for (key, route) in &self.routes {
+            if !route.servers().is_empty() {
+                set.server_routes
+                    .entry(key.clone())
+                    .or_insert_with(|| route.clone());
+            }
+        }
+        set
+    }
+
     /// Services a pod's endpoints belong to.
     fn services_of_pod(&self, ns: &str, pod: &str) -> BTreeSet<ServiceKey> {
         self.slices
@@ -379,6 +566,29 @@ where
         + 'static,
 {
     watcher::watcher(Api::<K>::all(client.clone()), watcher::Config::default()).default_backoff()
+}
+
+/// Whether a watch's first list failed because the resource is absent (a
+/// CRD not installed: 404) or not ours to list (403).
+fn absent(e: &watcher::Error) -> bool {
+    matches!(e, watcher::Error::InitialListFailed(kube::Error::Api(status))
+        // The reason is not always set (a bare 404 for an unknown path).
+        if status.code == 404 || status.code == 403 || status.is_not_found())
+}
+
+/// Watches something the registry can do without: its absence is
+/// reported as `missing` (so loading does not wait for it) and retried
+/// quietly.
+fn watch_optional<K>(
+    watch: impl Stream<Item = Result<Event<K>, watcher::Error>> + Send,
+    wrap: impl Fn(Event<K>) -> Change + Send + 'static,
+    missing: Optional,
+) -> impl Stream<Item = Result<Change, watcher::Error>> + Send {
+    watch.map(move |e| match e {
+        Ok(e) => Ok(wrap(e)),
+        Err(e) if absent(&e) => Ok(Change::Missing(missing)),
+        Err(e) => Err(e),
+    })
 }
 
 /// Watches one route kind. A missing CRD (404) is reported as
@@ -467,7 +677,29 @@ impl Registry for KubernetesRegistry {
                 ),
             ),
         );
+        let policy_watches = futures::stream::select_all(PolicyCrd::ALL.map(|crd| {
+            let api = Api::<DynamicObject>::all_with(self.client.clone(), &crd.resource());
+            watch_optional(
+                watcher::watcher(api, watcher::Config::default()).default_backoff(),
+                move |e| Change::Policy(crd, e),
+                Optional::Policy(crd),
+            )
+            .boxed()
+        }));
+        let namespaces = watch_optional(
+            watch::<Namespace>(&self.client),
+            Change::Namespace,
+            Optional::Namespaces,
+        );
+        let changes = futures::stream::select(
+            changes,
+            futures::stream::select(policy_watches, namespaces.boxed()),
+        );
         let mut changes = std::pin::pin!(changes);
+        let (mut policy_relists, mut namespace_relist) = (HashMap::new(), None);
+        // Each policy CRD, then Namespaces: listed or found missing.
+        let mut policy_synced = [false; 6];
+        let mut missing_logged = [false; 6];
         let mut world = World::default();
         let (mut svc_relist, mut slice_relist, mut pod_relist) = (None, None, None);
         let (mut http_relist, mut grpc_relist) = (None, None);
@@ -486,7 +718,48 @@ impl Registry for KubernetesRegistry {
             };
             let observed_at = Instant::now();
             let mut affected = BTreeSet::new();
+            let mut policies_changed = false;
             match change {
+                Change::Policy(crd, e) => {
+                    let mut touched = Vec::new();
+                    let relist = policy_relists.entry(crd).or_insert(None);
+                    let objects = world.policy_objects.entry(crd).or_default();
+                    policy_synced[crd as usize] |= apply(objects, relist, e, &mut touched);
+                    world.update_policies(crd, &touched, &self.metrics);
+                    policies_changed = true;
+                }
+                Change::Namespace(e) => {
+                    let mut touched = Vec::new();
+                    policy_synced[5] |= apply(
+                        &mut world.namespaces,
+                        &mut namespace_relist,
+                        e,
+                        &mut touched,
+                    );
+                    policies_changed = true;
+                }
+                Change::Missing(what) => {
+                    let i = match what {
+                        Optional::Policy(crd) => crd as usize,
+                        Optional::Namespaces => 5,
+                    };
+                    if !std::mem::replace(&mut missing_logged[i], true) {
+                        match what {
+                            Optional::Policy(crd) => tracing::warn!(
+                                "the {} CRD ({POLICY_GROUP}/{}) is not installed (or may not be listed): \
+                                 no {} from Kubernetes until it is (`tether install` prints it)",
+                                crd.kind(),
+                                crd.version(),
+                                crd.kind(),
+                            ),
+                            Optional::Namespaces => tracing::warn!(
+                                "Namespaces may not be listed: no per-namespace default inbound policy \
+                                 ({DEFAULT_POLICY_ANNOTATION}) until they may (`tether install` has the RBAC)"
+                            ),
+                        }
+                    }
+                    policy_synced[i] = true;
+                }
                 Change::Service(e) => {
                     let live = is_live(&e);
                     let mut touched = Vec::new();
@@ -538,6 +811,7 @@ impl Registry for KubernetesRegistry {
                         }
                     }
                     affected.extend(world.update_routes(kind, &touched, &self.metrics));
+                    policies_changed = true;
                 }
                 Change::NoCrd(kind) => {
                     let i = kind as usize;
@@ -558,7 +832,10 @@ impl Registry for KubernetesRegistry {
                     observed_at,
                 );
             }
-            if synced.iter().all(|s| *s) {
+            if policies_changed {
+                index.set_policies(world.policy_set());
+            }
+            if synced.iter().chain(&policy_synced).all(|s| *s) {
                 if let Some(cb) = loaded.take() {
                     tracing::info!(
                         services = world.services.len(),
