@@ -810,3 +810,66 @@ async fn a_policy_change_closes_the_opaque_connections_it_denies_and_no_others()
         "{m}"
     );
 }
+
+/// A gRPC server's routes: a `GRPCRoute` authorized for [`CLIENT`] only,
+/// no route for the rest.
+#[tokio::test]
+async fn a_grpc_route_admits_its_callers_and_unrouted_methods_are_unimplemented() {
+    let scratch = Scratch::new();
+    let ca = scratch.identity_init("ca");
+    let app = scratch.demo_app("web-0", 0).await;
+    let port = app.addr("http").port();
+    scratch.service("web", 8080, false);
+    let nowhere: SocketAddr = "127.0.0.1:9".parse().unwrap();
+    meshed_endpoint(&scratch, "web-0", nowhere, SERVER);
+    scratch.write(
+        "policy.yaml",
+        &format!(
+            "kind: Server\nname: web-grpc\nnamespace: test\npodSelector: {{matchLabels: {{app: web-0}}}}\n\
+             port: {port}\nproxyProtocol: gRPC\n---\n\
+             kind: GRPCRoute\nname: hello\nnamespace: test\n\
+             parentRefs: [{{group: policy.linkerd.io, kind: Server, name: web-grpc}}]\n\
+             rules:\n  - matches: [{{method: {{service: tether.demo.v1.Demo, method: Hello}}}}]\n---\n\
+             kind: MeshTLSAuthentication\nname: client-only\nnamespace: test\nidentities: [{CLIENT}]\n---\n\
+             kind: AuthorizationPolicy\nname: hello\nnamespace: test\n\
+             targetRef: {{group: gateway.networking.k8s.io, kind: GRPCRoute, name: hello}}\n\
+             requiredAuthenticationRefs: [{{group: policy.linkerd.io, kind: MeshTLSAuthentication, name: client-only}}]\n"
+        ),
+    );
+    let control = policy_control(&scratch, &ca).await;
+    let web_proxy = workload(&scratch, &control, &ca, app.addr("http"), "test", "web-0").await;
+    meshed_endpoint(&scratch, "web-0", web_proxy.addr("inbound"), SERVER);
+    let client = client_sidecar(&scratch, &control, &ca).await;
+    let web = authority("web", 8080);
+    let meshed = tether_mesh_up::demo_grpc::channel(client.addr("outbound"), &web)
+        .await
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            tether_mesh_up::demo_grpc::hello(meshed.clone(), "mesh")
+                .await
+                .is_ok()
+        })
+        .await,
+        "CLIENT's call never went through"
+    );
+    let unrouted = tether_mesh_up::demo_grpc::count(meshed, 1)
+        .await
+        .unwrap_err();
+    assert_eq!(unrouted.code(), tonic::Code::Unimplemented, "{unrouted:?}");
+    assert_eq!(
+        unrouted.message(),
+        "no route of web-grpc matches the request"
+    );
+    let direct = tether_mesh_up::demo_grpc::channel(web_proxy.addr("inbound"), &web)
+        .await
+        .unwrap();
+    let denied = tether_mesh_up::demo_grpc::hello(direct, "plain")
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+    assert_eq!(
+        denied.message(),
+        "unauthorized: unauthenticated client may not call web-grpc/hello"
+    );
+}
