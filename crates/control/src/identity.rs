@@ -181,6 +181,8 @@ pub struct IdentitySource {
     pub dir: PathBuf,
     issuer: watch::Sender<Arc<Issuer>>,
     pub bundle: Arc<TrustBundle>,
+    /// The files as they were just before they were read.
+    stamps: FileStamps,
 }
 
 /// How often the identity directory is looked at. A change is read once
@@ -199,6 +201,14 @@ impl IdentitySource {
     /// with `FAILED_PRECONDITION`, which says what to do); an issuer that
     /// does not chain to the bundle is not.
     pub fn load(dir: &Path, metrics: &IdentityMetrics) -> Result<Self, StartError> {
+        use tether_identity::ca::{CA_CERT, ISSUER_CERT, ISSUER_KEY};
+        // Before reading, so that a change made meanwhile is read again.
+        let stamps = FileStamps::new(
+            [ISSUER_CERT, ISSUER_KEY, CA_CERT]
+                .iter()
+                .map(|f| dir.join(f))
+                .collect(),
+        );
         let (issuer, trust) = read_identity(dir)?;
         match issuer.check(&trust) {
             Ok(()) => {}
@@ -213,6 +223,7 @@ impl IdentitySource {
             dir: dir.to_path_buf(),
             issuer: watch::channel(Arc::new(issuer)).0,
             bundle: TrustBundle::new(trust),
+            stamps,
         })
     }
 
@@ -225,14 +236,8 @@ impl IdentitySource {
     /// issuer and bundle are put in force together if the issuer is valid
     /// now and chains to a root of the bundle; otherwise the change is
     /// refused with the reason and the last good pair stays.
-    pub async fn follow(self, metrics: IdentityMetrics, shutdown: tether_admin::Shutdown) {
-        use tether_identity::ca::{CA_CERT, ISSUER_CERT, ISSUER_KEY};
-        let mut stamps = FileStamps::new(
-            [ISSUER_CERT, ISSUER_KEY, CA_CERT]
-                .iter()
-                .map(|f| self.dir.join(f))
-                .collect(),
-        );
+    pub async fn follow(mut self, metrics: IdentityMetrics, shutdown: tether_admin::Shutdown) {
+        let mut stamps = std::mem::replace(&mut self.stamps, FileStamps::new(Vec::new()));
         loop {
             tokio::select! {
                 _ = stamps.next_change(IDENTITY_POLL) => {}

@@ -13,7 +13,7 @@ use rustls::ServerConfig;
 use tether_admin::{bind, Admin, Readiness, Shutdown};
 use tether_identity::control::ControlTls;
 use tether_identity::tls::CertStore;
-use tether_identity::trust::TrustBundle;
+use tether_identity::trust::{FileStamps, TrustBundle};
 use tokio::net::TcpListener;
 
 use crate::discovery::{ControlPlanes, Discovery, DiscoverySettings};
@@ -54,6 +54,9 @@ pub struct ControlChannel {
     pub identity: Option<String>,
 }
 
+/// The trust bundle, and how its file looked just before it was read.
+type Followed = (Arc<TrustBundle>, FileStamps);
+
 /// The pieces a process builds its listeners from.
 pub struct Bootstrap {
     pub discovery: Discovery,
@@ -72,12 +75,7 @@ pub struct Background {
     controls: Arc<ControlPlanes>,
     registry: Registry,
     admin: TcpListener,
-    identity: Option<(
-        IdentityConfig,
-        Arc<CertStore>,
-        IdentityMetrics,
-        Arc<TrustBundle>,
-    )>,
+    identity: Option<(IdentityConfig, Arc<CertStore>, IdentityMetrics, Followed)>,
     tap: Option<(TcpListener, crate::tap::TapConfig, crate::tap::Tap)>,
     server_tls: Option<Arc<ServerConfig>>,
 }
@@ -93,10 +91,13 @@ impl Bootstrap {
         let store = CertStore::new();
         // One bundle for every TLS this process does, re-read in place.
         let bundle = match &config.identity {
-            Some(id) => Some(TrustBundle::load(&id.trust_root)?),
+            Some(id) => {
+                let stamps = FileStamps::new(vec![id.trust_root.clone()]);
+                Some((TrustBundle::load(&id.trust_root)?, stamps))
+            }
             None => None,
         };
-        let control_tls = control_tls(config, &store, bundle.as_ref())?;
+        let control_tls = control_tls(config, &store, bundle.as_ref().map(|(b, _)| b))?;
         let controls = ControlPlanes::new(&config.control, control_tls)?;
         let mut registry = Registry::default();
         let metrics = ProxyMetrics::default();
@@ -105,7 +106,7 @@ impl Bootstrap {
             .with_first_answer_timeout(config.discovery.first_answer_timeout);
         let readiness = Readiness::default();
         let (client_tls, server_tls, identity) = match (&config.identity, bundle) {
-            (Some(id), Some(bundle)) => {
+            (Some(id), Some((bundle, stamps))) => {
                 let identity_metrics = IdentityMetrics::default();
                 identity_metrics.register(&mut registry);
                 identity_metrics.trusting(&bundle.current());
@@ -115,7 +116,7 @@ impl Bootstrap {
                 (
                     Some(client),
                     Some(server),
-                    Some((id.clone(), store, identity_metrics, bundle)),
+                    Some((id.clone(), store, identity_metrics, (bundle, stamps))),
                 )
             }
             _ => (None, None, None),
@@ -187,9 +188,10 @@ impl Background {
     /// after every readiness condition is registered: a probe in the first
     /// instant must already see them missing.
     pub fn start(self, readiness: Readiness, shutdown: Shutdown) {
-        if let Some((config, store, metrics, bundle)) = self.identity {
+        if let Some((config, store, metrics, (bundle, stamps))) = self.identity {
             let renew_now = Arc::new(tokio::sync::Notify::new());
             tokio::spawn(crate::identity::follow_bundle(
+                stamps,
                 config.clone(),
                 bundle,
                 store.clone(),

@@ -245,11 +245,13 @@ pub async fn maintain(
 /// it has stayed the same for one look, so it applies within two.
 pub const BUNDLE_POLL: Duration = Duration::from_millis(500);
 
-/// Re-reads the trust bundle when its file changes, until `shutdown`. A
-/// bundle that does not parse is refused (logged once per change, counted)
-/// and the last good one stays; a bundle that does not trust this proxy's
-/// own certificate any more asks `renew_now`.
+/// Re-reads the trust bundle when its file changes from what `stamps` saw
+/// (taken before `bundle` was read, so no change is missed), until
+/// `shutdown`. A bundle that does not parse is refused (logged once per
+/// change, counted) and the last good one stays; a bundle that does not
+/// trust this proxy's own certificate any more asks `renew_now`.
 pub async fn follow_bundle(
+    mut stamps: FileStamps,
     config: IdentityConfig,
     bundle: Arc<TrustBundle>,
     store: Arc<CertStore>,
@@ -257,7 +259,6 @@ pub async fn follow_bundle(
     metrics: IdentityMetrics,
     shutdown: Shutdown,
 ) {
-    let mut stamps = FileStamps::new(vec![config.trust_root.clone()]);
     loop {
         tokio::select! {
             _ = stamps.next_change(BUNDLE_POLL) => {}
@@ -295,5 +296,101 @@ pub async fn follow_bundle(
             );
             renew_now.notify_one();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_identity::ca::{init, InitOptions, Issuer};
+
+    const WEB: &str = "web.test.serviceaccount.identity.cluster.local";
+    /// Bounds each wait: the watcher looks every BUNDLE_POLL.
+    const SETTLE: Duration = Duration::from_secs(10);
+
+    /// Writes `text` to `path` the documented way: aside, then renamed.
+    fn replace(path: &std::path::Path, text: &[u8]) {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(tmp, path).unwrap();
+    }
+
+    fn count(metrics: &IdentityMetrics, outcome: &str) -> u64 {
+        metrics
+            .reloads
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.into(),
+            })
+            .get()
+    }
+
+    /// A bad bundle file is refused and the last good bundle stays; a
+    /// bundle that no longer trusts the proxy's certificate (its root was
+    /// dropped) is put in force and asks for a renewal at once.
+    #[tokio::test]
+    async fn the_bundle_follows_its_file_and_a_dropped_root_renews_at_once() {
+        let (old, new) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        init(&InitOptions::new(old.path(), "cluster.local")).unwrap();
+        init(&InitOptions::new(new.path(), "cluster.local")).unwrap();
+        let file = old.path().join("trust.crt");
+        std::fs::copy(old.path().join("ca.crt"), &file).unwrap();
+        let store = CertStore::new();
+        let key = tether_identity::csr::generate(WEB).unwrap();
+        let issued = Issuer::load(old.path())
+            .unwrap()
+            .sign(&key.csr_der, WEB, Duration::from_secs(3600))
+            .unwrap();
+        store
+            .install(
+                issued.leaf_der,
+                issued.chain,
+                key.key_pkcs8,
+                issued.valid_until,
+            )
+            .unwrap();
+        let stamps = FileStamps::new(vec![file.clone()]);
+        let bundle = TrustBundle::load(&file).unwrap();
+        let first = bundle.current().fingerprints.clone();
+        let config = IdentityConfig {
+            name: WEB.into(),
+            token_file: old.path().join("token"),
+            trust_root: file.clone(),
+        };
+        let (renew_now, metrics, shutdown) = (
+            Arc::new(tokio::sync::Notify::new()),
+            IdentityMetrics::default(),
+            Shutdown::default(),
+        );
+        tokio::spawn(follow_bundle(
+            stamps,
+            config,
+            bundle.clone(),
+            store,
+            renew_now.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+
+        replace(&file, b"-----BEGIN CERTIFICATE-----\nMIIB");
+        let refused = async {
+            while count(&metrics, "refused") == 0 {
+                tokio::time::sleep(BUNDLE_POLL / 4).await;
+            }
+        };
+        tokio::time::timeout(SETTLE, refused).await.unwrap();
+        assert_eq!(
+            bundle.current().fingerprints,
+            first,
+            "the last good bundle stays"
+        );
+
+        let only_new = std::fs::read(new.path().join("ca.crt")).unwrap();
+        replace(&file, &only_new);
+        tokio::time::timeout(SETTLE, renew_now.notified())
+            .await
+            .expect("a bundle that drops the proxy's root asks for a renewal");
+        assert_eq!(count(&metrics, "ok"), 1);
+        assert_ne!(bundle.current().fingerprints, first);
+        shutdown.trigger();
     }
 }
