@@ -2,7 +2,8 @@
 //! init` programs iptables, an unmodified `curl` dials a service's cluster
 //! IP, and the request reaches the app through both proxies over mTLS. The
 //! proxies run as their own user, so their traffic is not looped back.
-//! Needs root; installs iptables with apt-get when it is missing.
+//! Needs root; installs iptables and curl with apt-get when they are
+//! missing.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -16,6 +17,8 @@ const PROXY_UID: &str = "1337";
 
 fn ensure_iptables() {
     installed(&["iptables"], "iptables");
+    // The unmodified client the test dials with.
+    installed(&["curl"], "curl");
 }
 
 /// `tether ARGS` inside `ns`, as the proxy's user.

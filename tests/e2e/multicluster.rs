@@ -2,7 +2,8 @@
 //! its own address, linked to the test's namespace by a veth pair (routed
 //! through it). Each cluster runs a control plane, a gateway, demo apps
 //! with sidecars, and a client sidecar the test sends requests to. Needs
-//! root (CI runs as root) and iproute2.
+//! root (CI runs as root); installs iproute2 with apt-get when it is
+//! missing.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -47,6 +48,7 @@ pub(crate) struct NetNs {
 
 impl NetNs {
     pub(crate) fn new(net: u8, i: u8) -> Self {
+        installed(&["ip"], "iproute2");
         let name = format!("tether-t{}-{net}-{i}", std::process::id() % 100_000);
         let veth = format!("tv{}x{net}x{i}", std::process::id() % 10_000);
         let (outer, inner) = (
