@@ -694,3 +694,116 @@ impl InboundServerPolicies for InboundService {
         Ok(Response::new(stream))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_core::registry::{parse_documents, Document};
+
+    fn set(text: &str) -> PolicySet {
+        let mut set = PolicySet::default();
+        for doc in parse_documents(text).unwrap() {
+            match doc {
+                Document::Policy(p) => {
+                    set.docs.insert(p.key(), p);
+                }
+                Document::Route(r) => {
+                    set.server_routes.insert(r.key(), r);
+                }
+                _ => {}
+            }
+        }
+        set
+    }
+
+    fn defaults() -> InboundDefaults {
+        InboundDefaults::new(
+            DefaultPolicy::AllUnauthenticated,
+            parse_networks("10.0.0.0/8").unwrap(),
+            "cluster.local",
+        )
+    }
+
+    fn answer(set: &PolicySet, workload: &str, labels: Option<&Labels>, port: u16) -> Server {
+        let w = parse_workload(workload);
+        InboundTarget {
+            set,
+            workload: w.as_ref(),
+            labels,
+            port,
+            defaults: &defaults(),
+        }
+        .answer()
+    }
+
+    #[test]
+    fn workloads_are_read_in_both_forms_and_garbage_is_none() {
+        let web0 = Some(WorkloadKey {
+            namespace: "demo".into(),
+            name: "web-0".into(),
+        });
+        assert_eq!(parse_workload(r#"{"ns":"demo","pod":"web-0"}"#), web0);
+        assert_eq!(
+            parse_workload(r#"{"pod": "web-0", "ns": "demo", "x": 1}"#),
+            web0
+        );
+        assert_eq!(parse_workload("demo:web-0"), web0);
+        for bad in [
+            "",
+            "web-0",
+            "Demo:web-0",
+            "demo:",
+            r#"{"ns":"demo"}"#,
+            r#"{"ns":["demo"],"pod":"a"}"#,
+            "{{{{",
+            &format!("demo:{}", "a".repeat(2000)),
+        ] {
+            assert_eq!(parse_workload(bad), None, "{bad:.40}");
+        }
+    }
+
+    #[test]
+    fn the_first_server_by_name_selecting_the_port_wins() {
+        let s = set("kind: Server\nname: b\nnamespace: demo\npodSelector: {}\nport: 80\nproxyProtocol: opaque\n---\n\
+             kind: Server\nname: a\nnamespace: demo\npodSelector: {matchLabels: {app: web}}\nport: 80\n---\n\
+             kind: Server\nname: named\nnamespace: demo\npodSelector: {}\nport: http\n");
+        let web = Labels::from([("app".to_string(), "web".to_string())]);
+        let name = |s: &Server| s.labels["name"].clone();
+        assert_eq!(name(&answer(&s, "demo:web-0", Some(&web), 80)), "a");
+        // Not selected by `a`: the next by name; unknown workloads have no labels.
+        assert_eq!(
+            name(&answer(&s, "demo:db-0", Some(&Labels::new()), 80)),
+            "b"
+        );
+        assert_eq!(name(&answer(&s, "demo:unknown", None, 80)), "b");
+        // No server on the port (a named port matches no number), another
+        // namespace, unreadable workload: the default.
+        for (w, port) in [("demo:web-0", 81), ("other:web-0", 80), ("garbage", 80)] {
+            let a = answer(&s, w, Some(&web), port);
+            assert_eq!(a.labels["kind"], "default", "{w} {port}");
+            assert_eq!(a.labels["name"], "all-unauthenticated");
+            assert_eq!(a.labels["group"], "");
+        }
+    }
+
+    #[test]
+    fn a_namespace_default_wins_over_the_control_planes_and_deny_admits_nobody() {
+        let s = set(
+            "kind: Namespace\nname: demo\ndefaultInboundPolicy: deny\n---\n\
+             kind: Namespace\nname: lab\ndefaultInboundPolicy: cluster-authenticated\n",
+        );
+        let deny = answer(&s, "demo:web-0", None, 80);
+        assert_eq!(deny.labels["name"], "deny");
+        assert!(deny.authorizations.is_empty());
+        let cluster = answer(&s, "lab:web-0", None, 80);
+        let authz = &cluster.authorizations[0];
+        assert_eq!(
+            authz.networks[0].net,
+            Some(IpNetwork::from((
+                "10.0.0.0".parse::<IpAddr>().unwrap(),
+                8u8
+            )))
+        );
+        assert_eq!(authz.authentication, Some(any_identity()));
+    }
+}

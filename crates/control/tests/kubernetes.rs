@@ -601,20 +601,11 @@ fn canary_weight(index: &Index) -> Option<u32> {
     }
 }
 
-#[tokio::test]
-async fn routes_come_from_the_gateway_api_crds() {
-    let api = ApiServer::default();
-    api.routes_installed.store(true, Ordering::SeqCst);
-    api.upsert(SERVICES, service());
-    api.upsert(HTTPROUTES, http_route("canary", 10));
-    // A route for a Gateway only: not the mesh's, not an error.
-    let mut gateway_only = http_route("edge-only", 1);
-    gateway_only["spec"]["parentRefs"] = serde_json::json!([{"name": "edge"}]);
-    api.upsert(HTTPROUTES, gateway_only);
+/// A Kubernetes registry over `api`, once loaded: its index and metrics.
+async fn loaded_registry(api: &ApiServer) -> (Index, ControlMetrics) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(api.clone().serve(listener));
-
     let metrics = ControlMetrics::default();
     let index = Index::new(metrics.clone());
     let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
@@ -630,6 +621,20 @@ async fn routes_come_from_the_gateway_api_crds() {
         eventually(|| loaded.load(Ordering::SeqCst)).await,
         "never loaded"
     );
+    (index, metrics)
+}
+
+#[tokio::test]
+async fn routes_come_from_the_gateway_api_crds() {
+    let api = ApiServer::default();
+    api.routes_installed.store(true, Ordering::SeqCst);
+    api.upsert(SERVICES, service());
+    api.upsert(HTTPROUTES, http_route("canary", 10));
+    // A route for a Gateway only: not the mesh's, not an error.
+    let mut gateway_only = http_route("edge-only", 1);
+    gateway_only["spec"]["parentRefs"] = serde_json::json!([{"name": "edge"}]);
+    api.upsert(HTTPROUTES, gateway_only);
+    let (index, metrics) = loaded_registry(&api).await;
     assert_eq!(canary_weight(&index), Some(10));
     let state = index.service(&ServiceKey::new("web", "demo")).unwrap();
     assert_eq!(state.routes.len(), 1, "{:?}", state.routes);
@@ -721,25 +726,7 @@ async fn policies_come_from_the_linkerd_crds_and_namespace_annotations() {
             "metadata": {"name": "demo", "annotations": {"config.linkerd.io/default-inbound-policy": "deny"}},
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(api.clone().serve(listener));
-
-    let metrics = ControlMetrics::default();
-    let index = Index::new(metrics.clone());
-    let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
-    let lag = WatchLag::new_with_constructor(tether_control::metrics::LatencyBuckets);
-    let registry = KubernetesRegistry::new(client, "cluster.local", metrics.clone(), lag);
-    let loaded = Arc::new(AtomicBool::new(false));
-    let flag = loaded.clone();
-    tokio::spawn(registry.run(
-        index.clone(),
-        Box::new(move || flag.store(true, Ordering::SeqCst)),
-    ));
-    assert!(
-        eventually(|| loaded.load(Ordering::SeqCst)).await,
-        "never loaded"
-    );
+    let (index, metrics) = loaded_registry(&api).await;
     // Everything listed is in the policy set when loading completes.
     let set = index.policies();
     assert_eq!(set.namespace_default("demo"), Some(DefaultPolicy::Deny));

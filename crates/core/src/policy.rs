@@ -27,7 +27,7 @@ use std::net::IpAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::authority::is_dns_label;
-use crate::route::{Route, RouteKey};
+use crate::route::{check_count, Route, RouteKey};
 use crate::truncate::for_log;
 
 /// Linkerd's policy API group.
@@ -252,15 +252,6 @@ fn check_label_part(field: &str, value: &str) -> Result<(), String> {
         return Err(format!(
             "field `{field}`: {} is not a label key or value",
             for_log(value)
-        ));
-    }
-    Ok(())
-}
-
-fn check_count(field: &str, len: usize, max: usize) -> Result<(), String> {
-    if len > max {
-        return Err(format!(
-            "field `{field}`: {len} items, more than the limit of {max}"
         ));
     }
     Ok(())

@@ -677,6 +677,12 @@ endpoints:
                 Just("kind: Endpoints\n".to_string()),
                 Just("kind: HTTPRoute\n".to_string()),
                 Just("kind: GRPCRoute\n".to_string()),
+                Just("kind: Server\npodSelector: {matchLabels: {app: web}}\nport: 80\n".to_string()),
+                Just("kind: AuthorizationPolicy\ntargetRef: {group: policy.linkerd.io, kind: Server, name: s}\n".to_string()),
+                Just("requiredAuthenticationRefs: [{kind: ServiceAccount, name: a}]\n".to_string()),
+                Just("kind: MeshTLSAuthentication\nidentities: [\"*\"]\n".to_string()),
+                Just("kind: NetworkAuthentication\nnetworks: [{cidr: 10.0.0.0/8}]\n".to_string()),
+                Just("kind: Namespace\ndefaultInboundPolicy: deny\n".to_string()),
                 Just("parentRefs: [{name: web}]\n".to_string()),
                 Just(
                     "rules:\n  - matches: [{path: {type: RegularExpression, value: \"(a+)+\"}}]\n"

@@ -576,7 +576,8 @@ fn check_service_ref(
     Ok(())
 }
 
-fn check_count(field: &str, len: usize, max: usize) -> Result<(), String> {
+/// Refuses a list longer than `max`, naming the field.
+pub(crate) fn check_count(field: &str, len: usize, max: usize) -> Result<(), String> {
     if len > max {
         return Err(format!(
             "field `{field}`: {len} items, more than the limit of {max}"

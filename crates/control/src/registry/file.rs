@@ -1116,6 +1116,65 @@ mod tests {
         }
     }
 
+    fn server(port: u16) -> String {
+        format!("kind: Server\nname: web-http\nnamespace: demo\npodSelector: {{}}\nport: {port}\n")
+    }
+
+    fn server_port(index: &Index) -> Option<tether_core::policy::ServerPort> {
+        match index
+            .policies()
+            .get(tether_core::policy::PolicyKind::Server, "demo", "web-http")
+        {
+            Some(tether_core::policy::PolicyDoc::Server(s)) => Some(s.port.clone()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn the_first_path_defines_a_duplicated_policy_and_a_server_route_is_a_policy() {
+        use tether_core::policy::ServerPort::Number;
+        let dir = tempfile::tempdir().unwrap();
+        let first = write(dir.path(), "b-server.yaml", &server(80));
+        write(dir.path(), "c-server.yaml", &server(81));
+        write(
+            dir.path(),
+            "d-route.yaml",
+            "kind: HTTPRoute\nname: admin\nnamespace: demo\n\
+             parentRefs: [{group: policy.linkerd.io, kind: Server, name: web-http}]\n",
+        );
+        for order in [
+            ["b-server.yaml", "c-server.yaml", "d-route.yaml"],
+            ["d-route.yaml", "c-server.yaml", "b-server.yaml"],
+        ] {
+            let (mut loaded, index, metrics) = load_in_order(dir.path(), &order);
+            assert_eq!(server_port(&index), Some(Number(80)), "{order:?}");
+            assert_eq!(metrics.registry_reload_errors.get(), 1, "{order:?}");
+            assert_eq!(index.policies().server_routes.len(), 1);
+            // The first goes: the second definition takes over.
+            std::fs::remove_file(&first).unwrap();
+            apply(
+                &mut loaded,
+                [first.clone()],
+                &index,
+                &metrics,
+                std::time::Instant::now(),
+            );
+            assert_eq!(server_port(&index), Some(Number(81)));
+            // A bad file keeps what it said before.
+            write(dir.path(), "c-server.yaml", &server(0));
+            apply(
+                &mut loaded,
+                [dir.path().join("c-server.yaml")],
+                &index,
+                &metrics,
+                std::time::Instant::now(),
+            );
+            assert_eq!(server_port(&index), Some(Number(81)));
+            write(dir.path(), "c-server.yaml", &server(81));
+            write(dir.path(), "b-server.yaml", &server(80));
+        }
+    }
+
     #[test]
     fn a_bad_route_keeps_the_last_good_one() {
         let dir = tempfile::tempdir().unwrap();
