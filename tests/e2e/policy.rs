@@ -549,6 +549,22 @@ async fn each_policy_resource_admits_what_it_names() {
         2.0,
         "{m}"
     );
+    // Admissions count by server, route and authorization: by-identity
+    // admitted CLIENT once.
+    let m = metrics(proxies["by-identity"].addr("admin")).await;
+    assert_eq!(
+        metric_value(
+            &m,
+            "tether_proxy_inbound_allowed_total",
+            &[
+                ("server", "by-identity"),
+                ("route", "default"),
+                ("authz", "by-identity")
+            ]
+        ),
+        1.0,
+        "{m}"
+    );
     let unselected = proxies["unselected"].addr("inbound");
     let denied = request(unselected, &web, "/", http::Version::HTTP_11).await;
     assert_eq!(

@@ -21,7 +21,7 @@
 
 use std::collections::HashSet;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
@@ -30,7 +30,7 @@ use prometheus_client::metrics::family::Family;
 use tether_core::log_limit::LogLimit;
 use tokio::sync::watch;
 
-use crate::inbound_policy::{Client, Decision, PolicyCounters, ServerPolicy, ServerState};
+use crate::inbound_policy::{Client, Decision, PolicyCounters, ServerState};
 
 /// Would-be denials under audit are logged at most this often.
 static AUDIT_LOG: LogLimit = LogLimit::new(Duration::from_secs(5));
@@ -248,23 +248,36 @@ impl InboundPolicy {
 pub struct Authorizer {
     flag: InboundPolicy,
     server: watch::Receiver<ServerState>,
+    metrics: AuthzMetrics,
+    /// Admissions by the proxy's default alone.
+    flag_allowed: Arc<OnceLock<Counter>>,
+}
+
+/// What is checked: a connection, or a request with its authority.
+enum Subject<'r, B> {
+    Connection,
+    Request(&'r http::Request<B>, &'r str),
 }
 
 impl Authorizer {
     /// `server` follows the control plane's answers; a receiver that never
     /// changes (the sender dropped) keeps the default policy alone.
-    pub fn new(flag: InboundPolicy, server: watch::Receiver<ServerState>) -> Self {
-        Self { flag, server }
-    }
-
-    /// The proxy's default policy alone.
-    pub fn default_only(flag: InboundPolicy) -> Self {
-        Self::new(flag, watch::channel(None).1)
+    pub fn new(
+        flag: InboundPolicy,
+        server: watch::Receiver<ServerState>,
+        metrics: AuthzMetrics,
+    ) -> Self {
+        Self {
+            flag,
+            server,
+            metrics,
+            flag_allowed: Arc::default(),
+        }
     }
 
     /// The verdict for a connection that carries no HTTP.
     pub fn check_connection(&self, client: &Client<'_>) -> Verdict {
-        self.verdict(client, |s| s.check_connection(client))
+        self.verdict::<()>(client, Subject::Connection)
     }
 
     /// The verdict for an HTTP request addressed to `authority`.
@@ -274,7 +287,7 @@ impl Authorizer {
         authority: &str,
         client: &Client<'_>,
     ) -> Verdict {
-        self.verdict(client, |s| s.check_request(req, authority, client))
+        self.verdict(client, Subject::Request(req, authority))
     }
 
     /// Waits until the policy in force changes (forever when it cannot).
@@ -284,33 +297,53 @@ impl Authorizer {
         }
     }
 
-    fn verdict(
-        &self,
-        client: &Client<'_>,
-        decide: impl FnOnce(&ServerPolicy) -> Decision,
-    ) -> Verdict {
+    fn verdict<B>(&self, client: &Client<'_>, subject: Subject<'_, B>) -> Verdict {
         // Cloned out so the watch's lock is not held while deciding.
         let server = self.server.borrow().clone();
         let Some(server) = server else {
-            return self.flag.check(client.identity, client.ip);
+            let verdict = self.flag.check(client.identity, client.ip);
+            if verdict == Verdict::Allow {
+                self.flag_allowed
+                    .get_or_init(|| {
+                        let name = format!("default:{}", self.flag.default.as_str());
+                        self.metrics.allowed_counter(&name, DEFAULT_ROUTE, &name)
+                    })
+                    .inc();
+            }
+            return verdict;
         };
         if server.is_default {
             if let Some(denial) = self.flag.denial(client.identity, client.ip) {
                 return refuse(denial, self.flag.audit, client.ip);
             }
         }
-        match decide(&server) {
-            Decision::Allowed { audit: false, .. } => Verdict::Allow,
+        let decision = match subject {
+            Subject::Connection => server.check_connection(client),
+            Subject::Request(req, authority) => server.check_request(req, authority, client),
+        };
+        match decision {
+            Decision::Allowed {
+                audit: false,
+                route,
+                authz,
+                counter,
+            } => {
+                counter
+                    .get_or_init(|| self.metrics.allowed_counter(&server.name, route, authz))
+                    .inc();
+                Verdict::Allow
+            }
             Decision::Allowed {
                 audit: true,
                 route,
                 authz,
+                ..
             } => refuse(
                 Denial {
                     client: client_name(client.identity),
                     server: server.name.clone(),
-                    route,
-                    authz,
+                    route: route.into(),
+                    authz: authz.into(),
                 },
                 true,
                 client.ip,
@@ -319,7 +352,7 @@ impl Authorizer {
                 Denial {
                     client: client_name(client.identity),
                     server: server.name.clone(),
-                    route,
+                    route: route.into(),
                     authz: if server.is_default {
                         server.name.clone()
                     } else {
@@ -339,6 +372,13 @@ impl Authorizer {
 pub const MAX_CLIENT_LABELS: usize = 100;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct AllowedLabels {
+    pub server: String,
+    pub route: String,
+    pub authz: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
 pub struct DeniedLabels {
     pub server: String,
     pub route: String,
@@ -351,6 +391,7 @@ pub struct DeniedLabels {
 /// answers applied and refused.
 #[derive(Clone, Default)]
 pub struct AuthzMetrics {
+    allowed: Family<AllowedLabels, Counter>,
     denied: Family<DeniedLabels, Counter>,
     audited: Family<DeniedLabels, Counter>,
     clients: Arc<Mutex<HashSet<String>>>,
@@ -359,6 +400,11 @@ pub struct AuthzMetrics {
 
 impl AuthzMetrics {
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "tether_proxy_inbound_allowed",
+            "Inbound requests and connections the authorization policy admitted, by server, route and authorization",
+            self.allowed.clone(),
+        );
         registry.register(
             "tether_proxy_inbound_denied",
             "Inbound requests and connections the authorization policy denied",
@@ -379,6 +425,19 @@ impl AuthzMetrics {
             "Inbound policies the proxy could not understand and refused (the last good one stayed in force)",
             self.policies.refused.clone(),
         );
+    }
+
+    /// The admissions counter of an authorization on a server's route
+    /// (kept by the caller: one lookup, then atomic increments). The
+    /// labels are bounded by the policies the control plane serves.
+    pub fn allowed_counter(&self, server: &str, route: &str, authz: &str) -> Counter {
+        self.allowed
+            .get_or_create(&AllowedLabels {
+                server: server.into(),
+                route: route.into(),
+                authz: authz.into(),
+            })
+            .clone()
     }
 
     /// Counts a denial (`audit`: one let through).
@@ -477,7 +536,9 @@ mod tests {
             authorizations: if everyone { vec![authz] } else { vec![] },
             labels,
         };
-        Some(Arc::new(ServerPolicy::from_api(server).unwrap()))
+        Some(Arc::new(
+            crate::inbound_policy::ServerPolicy::from_api(server).unwrap(),
+        ))
     }
 
     #[test]
@@ -490,7 +551,7 @@ mod tests {
         };
         let verdict = |flag: DefaultPolicy, server: ServerState| {
             let (_tx, rx) = watch::channel(server);
-            Authorizer::new(policy(flag), rx).check_connection(&plain)
+            Authorizer::new(policy(flag), rx, AuthzMetrics::default()).check_connection(&plain)
         };
         use DefaultPolicy::*;
         // No answer: the proxy's default alone.
@@ -509,6 +570,23 @@ mod tests {
         assert!(
             matches!(verdict(AllUnauthenticated, answer("server", "web", false)), Verdict::Deny(d) if d.server == "web" && d.authz == "none" && d.route == "default")
         );
+        // Admissions count per server, route and authorization.
+        let metrics = AuthzMetrics::default();
+        let (_tx, rx) = watch::channel(answer("server", "web", true));
+        let authorizer = Authorizer::new(policy(AllUnauthenticated), rx, metrics.clone());
+        for _ in 0..3 {
+            assert_eq!(authorizer.check_connection(&plain), Verdict::Allow);
+        }
+        let mut registry = prometheus_client::registry::Registry::default();
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains(
+                "tether_proxy_inbound_allowed_total{server=\"web\",route=\"default\",authz=\"web\"} 3"
+            ),
+            "{text}"
+        );
         // The audit flag lets any denial through.
         let (_tx, rx) = watch::channel(answer("server", "web", false));
         let audited = InboundPolicy {
@@ -516,7 +594,7 @@ mod tests {
             ..policy(AllUnauthenticated)
         };
         assert!(matches!(
-            Authorizer::new(audited, rx).check_connection(&plain),
+            Authorizer::new(audited, rx, AuthzMetrics::default()).check_connection(&plain),
             Verdict::Audit(_)
         ));
     }

@@ -28,13 +28,14 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use linkerd2_proxy_api::inbound::{
     self as api, inbound_server_policies_client::InboundServerPoliciesClient, PortSpec,
 };
 use linkerd2_proxy_api::meta;
+use prometheus_client::metrics::counter::Counter;
 use tether_admin::{Readiness, Shutdown};
 use tether_core::backoff::{jittered, Backoff};
 use tether_core::log_limit::LogLimit;
@@ -282,10 +283,23 @@ fn label_name(
     })
 }
 
-/// A route and who may use it: its own authorizations, then the server's.
+/// Who may use a route (its own authorizations, then the server's) or
+/// open a connection, and the counters of whom each admitted (found on
+/// first use, so a request costs an atomic increment).
 #[derive(Debug)]
 struct RoutePolicy {
     authorizations: Vec<Arc<Authorization>>,
+    allowed: Box<[OnceLock<Counter>]>,
+}
+
+impl RoutePolicy {
+    fn new(authorizations: Vec<Arc<Authorization>>) -> Self {
+        let allowed = authorizations.iter().map(|_| OnceLock::new()).collect();
+        Self {
+            authorizations,
+            allowed,
+        }
+    }
 }
 
 /// The control plane's policy for this proxy's inbound port.
@@ -297,7 +311,7 @@ pub struct ServerPolicy {
     pub is_default: bool,
     /// Who may open a connection that is not HTTP (and, on an opaque or
     /// TLS server, send requests).
-    connection: Vec<Arc<Authorization>>,
+    connection: RoutePolicy,
     /// HTTP routes, with [`ServerPolicy::route_policies`] beside them in
     /// the same order; empty on an opaque or TLS server.
     routes: Vec<Route>,
@@ -305,15 +319,17 @@ pub struct ServerPolicy {
 }
 
 /// What a server's policy says about one request or connection.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Decision {
+#[derive(Debug)]
+pub enum Decision<'a> {
     Allowed {
-        route: String,
-        authz: String,
+        route: &'a str,
+        authz: &'a str,
         audit: bool,
+        /// Where the admission counts (`tether_proxy_inbound_allowed_total`).
+        counter: &'a OnceLock<Counter>,
     },
     Denied {
-        route: String,
+        route: &'a str,
     },
     /// No route of the server matches the request.
     NoRoute,
@@ -384,9 +400,7 @@ impl ServerPolicy {
                     Vec::new(),
                     vec![Vec::new()],
                 )?],
-                vec![RoutePolicy {
-                    authorizations: connection.clone(),
-                }],
+                vec![RoutePolicy::new(connection.clone())],
             ),
             Some(r) => {
                 let mut routes = Vec::with_capacity(r.len());
@@ -399,9 +413,9 @@ impl ServerPolicy {
                         .map_err(|e| {
                             in_server(invalid(format_args!("route {}: {e}", route.name)))
                         })?;
-                    policies.push(RoutePolicy {
-                        authorizations: own.into_iter().chain(connection.iter().cloned()).collect(),
-                    });
+                    policies.push(RoutePolicy::new(
+                        own.into_iter().chain(connection.iter().cloned()).collect(),
+                    ));
                     routes.push(route);
                 }
                 (routes, policies)
@@ -410,14 +424,14 @@ impl ServerPolicy {
         Ok(Self {
             name,
             is_default,
-            connection,
+            connection: RoutePolicy::new(connection),
             routes,
             route_policies,
         })
     }
 
     /// The decision for a connection that is not HTTP.
-    pub fn check_connection(&self, client: &Client<'_>) -> Decision {
+    pub fn check_connection(&self, client: &Client<'_>) -> Decision<'_> {
         decide(&self.connection, DEFAULT_ROUTE, client)
     }
 
@@ -427,7 +441,7 @@ impl ServerPolicy {
         req: &http::Request<B>,
         authority: &str,
         client: &Client<'_>,
-    ) -> Decision {
+    ) -> Decision<'_> {
         let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
         if self.routes.is_empty() {
             // Opaque or TLS: only the server's authorizations apply.
@@ -441,11 +455,7 @@ impl ServerPolicy {
             .iter()
             .position(|r| std::ptr::eq(r, selected.route))
             .expect("the selected route is one of the server's");
-        decide(
-            &self.route_policies[index].authorizations,
-            &selected.route.name,
-            client,
-        )
+        decide(&self.route_policies[index], &selected.route.name, client)
     }
 }
 
@@ -461,16 +471,15 @@ fn route_meta(m: Option<meta::Metadata>) -> Result<String, InvalidServer> {
     }
 }
 
-fn decide(authzs: &[Arc<Authorization>], route: &str, client: &Client<'_>) -> Decision {
-    match authzs.iter().find(|a| a.admits(client)) {
-        Some(a) => Decision::Allowed {
-            route: route.to_string(),
-            authz: a.name.clone(),
-            audit: a.audit,
+fn decide<'a>(policy: &'a RoutePolicy, route: &'a str, client: &Client<'_>) -> Decision<'a> {
+    match policy.authorizations.iter().position(|a| a.admits(client)) {
+        Some(i) => Decision::Allowed {
+            route,
+            authz: &policy.authorizations[i].name,
+            audit: policy.authorizations[i].audit,
+            counter: &policy.allowed[i],
         },
-        None => Decision::Denied {
-            route: route.to_string(),
-        },
+        None => Decision::Denied { route },
     }
 }
 
@@ -480,8 +489,8 @@ pub type ServerState = Option<Arc<ServerPolicy>>;
 /// Counters of answers applied and refused.
 #[derive(Clone, Default)]
 pub struct PolicyCounters {
-    pub applied: prometheus_client::metrics::counter::Counter,
-    pub refused: prometheus_client::metrics::counter::Counter,
+    pub applied: Counter,
+    pub refused: Counter,
 }
 
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
@@ -783,20 +792,26 @@ mod tests {
         ))
         .unwrap();
         let decide = |id, ip| s.check_connection(&client(id, ip));
-        assert!(
-            matches!(decide(None, "10.1.2.3"), Decision::Allowed { ref authz, .. } if authz == "cluster")
-        );
+        assert!(matches!(
+            decide(None, "10.1.2.3"),
+            Decision::Allowed {
+                authz: "cluster",
+                ..
+            }
+        ));
         assert!(!allowed(&decide(None, "10.9.2.3")), "excepted");
         assert!(!allowed(&decide(None, "192.168.1.1")), "plaintext");
-        assert!(
-            matches!(decide(Some(OTHER), "192.168.1.1"), Decision::Allowed { ref authz, .. } if authz == "any-mtls")
-        );
-        assert_eq!(
-            decide(Some(OTHER), "172.16.0.1"),
-            Decision::Denied {
-                route: "default".into()
+        assert!(matches!(
+            decide(Some(OTHER), "192.168.1.1"),
+            Decision::Allowed {
+                authz: "any-mtls",
+                ..
             }
-        );
+        ));
+        assert!(matches!(
+            decide(Some(OTHER), "172.16.0.1"),
+            Decision::Denied { route: "default" }
+        ));
     }
 
     fn route(name: &str, path_prefix: &str, authorizations: Vec<api::Authz>) -> api::HttpRoute {
@@ -842,20 +857,23 @@ mod tests {
         ))
         .unwrap();
         let decide = |path, id| s.check_request(&get(path), "web:80", &client(id, "10.0.0.1"));
-        assert!(
-            matches!(decide("/admin/x", Some(WEB)), Decision::Allowed { ref route, ref authz, .. } if route == "admin" && authz == "admins")
-        );
+        assert!(matches!(
+            decide("/admin/x", Some(WEB)),
+            Decision::Allowed {
+                route: "admin",
+                authz: "admins",
+                ..
+            }
+        ));
         assert!(
             allowed(&decide("/admin", Some(OTHER))),
             "server's authorizations apply too"
         );
-        assert_eq!(
+        assert!(matches!(
             decide("/metrics", Some(WEB)),
-            Decision::Denied {
-                route: "metrics".into()
-            }
-        );
-        assert_eq!(decide("/other", Some(OTHER)), Decision::NoRoute);
+            Decision::Denied { route: "metrics" }
+        ));
+        assert!(matches!(decide("/other", Some(OTHER)), Decision::NoRoute));
     }
 
     #[test]
@@ -911,9 +929,14 @@ mod tests {
         let s = ServerPolicy::from_api(s).unwrap();
         assert!(s.is_default);
         assert_eq!(s.name, "default:audit");
-        assert!(
-            matches!(s.check_connection(&client(None, "10.0.0.1")), Decision::Allowed { audit: true, ref authz, .. } if authz == "default:audit")
-        );
+        assert!(matches!(
+            s.check_connection(&client(None, "10.0.0.1")),
+            Decision::Allowed {
+                audit: true,
+                authz: "default:audit",
+                ..
+            }
+        ));
         // A default route is named as such, without a prefix.
         let mut routed = server(detect(vec![route("admin", "/admin", vec![])]), vec![]);
         routed.protocol = Some(detect(vec![api::HttpRoute {
@@ -923,12 +946,10 @@ mod tests {
             ..route("ignored", "/", vec![])
         }]));
         let routed = ServerPolicy::from_api(routed).unwrap();
-        assert_eq!(
+        assert!(matches!(
             routed.check_request(&get("/x"), "web", &client(None, "10.0.0.1")),
-            Decision::Denied {
-                route: "default".into()
-            }
-        );
+            Decision::Denied { route: "default" }
+        ));
         // An older control plane: `default:<name>` without a kind.
         let mut old = server(detect(vec![]), vec![]);
         old.labels = HashMap::from([("name".into(), "default:deny".into())]);

@@ -57,7 +57,7 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
             ),
             None => tokio::sync::watch::channel(None).1,
         };
-        Authorizer::new(inbound.policy.clone(), server)
+        Authorizer::new(inbound.policy.clone(), server, boot.metrics.authz.clone())
     });
     let outbound = Arc::new(Outbound::new(
         boot.discovery,
