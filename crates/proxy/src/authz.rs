@@ -98,11 +98,7 @@ impl std::str::FromStr for Network {
         let (addr, prefix) = s.split_once('/').ok_or_else(bad)?;
         let addr: IpAddr = addr.parse().map_err(|_| bad())?;
         let prefix: u8 = prefix.parse().map_err(|_| bad())?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        if prefix > max {
-            return Err(bad());
-        }
-        Ok(Self { addr, prefix })
+        Self::new(addr, prefix).ok_or_else(bad)
     }
 }
 
@@ -110,7 +106,21 @@ impl Network {
     /// `addr/prefix`; `None` when the prefix is longer than the address.
     pub fn new(addr: IpAddr, prefix: u8) -> Option<Self> {
         let max = if addr.is_ipv4() { 32 } else { 128 };
-        (prefix <= max).then_some(Self { addr, prefix })
+        if prefix > max {
+            return None;
+        }
+        // Clients' IPv4-mapped addresses are compared as IPv4, so a network
+        // written in mapped form must be too, or it (or an `except` written
+        // so) would never hold anyone.
+        if let IpAddr::V6(v6) = addr {
+            if let (Some(v4), Some(prefix)) = (v6.to_ipv4_mapped(), prefix.checked_sub(96)) {
+                return Some(Self {
+                    addr: IpAddr::V4(v4),
+                    prefix,
+                });
+            }
+        }
+        Some(Self { addr, prefix })
     }
 
     pub fn contains(&self, ip: IpAddr) -> bool {
@@ -630,6 +640,14 @@ mod tests {
         assert!(all.contains("192.0.2.1".parse().unwrap()));
         let v6: Network = "fd00::/8".parse().unwrap();
         assert!(v6.contains("fd12::1".parse().unwrap()));
+        // A network written in IPv4-mapped form holds the IPv4 clients it
+        // names (clients' mapped addresses are read as IPv4).
+        let mapped: Network = "::ffff:10.9.0.0/112".parse().unwrap();
+        assert!(mapped.contains("10.9.1.2".parse().unwrap()));
+        assert!(mapped.contains("::ffff:10.9.1.2".parse().unwrap()));
+        assert!(!mapped.contains("10.8.1.2".parse().unwrap()));
+        let mapped = Network::new("::ffff:10.9.0.0".parse().unwrap(), 112).unwrap();
+        assert!(mapped.contains("10.9.1.2".parse().unwrap()));
         assert!("10.0.0.0/33".parse::<Network>().is_err());
         assert!("10.0.0.0".parse::<Network>().is_err());
         assert!("deny".parse::<DefaultPolicy>().is_ok());

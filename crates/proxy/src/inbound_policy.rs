@@ -447,6 +447,26 @@ impl ServerPolicy {
             // Opaque or TLS: only the server's authorizations apply.
             return self.check_connection(client);
         }
+        let decision = self.check_route(req, host, client);
+        // The app may read the path differently from the route matcher
+        // (merged slashes, dot segments, percent-decoding, `;` parameters,
+        // case): the request must also pass as the route its path may mean
+        // there, or `//admin` would get past a policy on `/admin`.
+        let Some(read_as) = app_reading(req) else {
+            return decision;
+        };
+        match (&decision, self.check_route(&read_as, host, client)) {
+            (Decision::NoRoute, _) | (_, Decision::NoRoute) => decision,
+            (_, denied @ Decision::Denied { .. }) => denied,
+            (
+                Decision::Allowed { audit: false, .. },
+                audited @ Decision::Allowed { audit: true, .. },
+            ) => audited,
+            _ => decision,
+        }
+    }
+
+    fn check_route<B>(&self, req: &http::Request<B>, host: &str, client: &Client<'_>) -> Decision {
         let Some(selected) = crate::policy::select(&self.routes, req, host) else {
             return Decision::NoRoute;
         };
@@ -457,6 +477,66 @@ impl ServerPolicy {
             .expect("the selected route is one of the server's");
         decide(&self.route_policies[index], &selected.route.name, client)
     }
+}
+
+/// The request as an app may read its path, when that differs from the
+/// path as sent: percent-encoded unreserved characters and separators
+/// decoded (once), a backslash read as `/`, empty and `.` segments
+/// dropped, `..` resolved, `;` parameters dropped, the trailing `/`
+/// dropped, lowercase (except gRPC).
+fn app_reading<B>(req: &http::Request<B>) -> Option<http::Request<()>> {
+    let path = req.uri().path();
+    if !path.starts_with('/') {
+        return None;
+    }
+    let mut decoded = Vec::with_capacity(path.len());
+    let bytes = path.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%')
+            .then(|| bytes.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok())
+            .filter(|b| b.is_ascii_alphanumeric() || b"-._~/\\".contains(b));
+        match escaped {
+            Some(b) => {
+                decoded.push(b);
+                i += 3;
+            }
+            None => {
+                decoded.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    let decoded = String::from_utf8_lossy(&decoded).replace('\\', "/");
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in decoded.split('/') {
+        match segment.split(';').next().unwrap_or("") {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    let mut read = format!("/{}", segments.join("/"));
+    // gRPC names are case-sensitive on every server.
+    if !crate::http::is_grpc(req.headers()) {
+        read.make_ascii_lowercase();
+    }
+    if read == path {
+        return None;
+    }
+    if let Some(query) = req.uri().query() {
+        read = format!("{read}?{query}");
+    }
+    let uri = http::Uri::builder().path_and_query(read).build().ok()?;
+    let mut read_as = http::Request::new(());
+    *read_as.method_mut() = req.method().clone();
+    *read_as.uri_mut() = uri;
+    *read_as.headers_mut() = req.headers().clone();
+    Some(read_as)
 }
 
 /// A route's name: the resource's, or a default's own (`default`), as
@@ -874,6 +954,58 @@ mod tests {
             Decision::Denied { route: "metrics" }
         ));
         assert!(matches!(decide("/other", Some(OTHER)), Decision::NoRoute));
+    }
+
+    #[test]
+    fn a_path_the_app_may_read_as_a_restricted_route_is_checked_as_that_route() {
+        // `/admin` only for WEB; everything else for everyone. An app (or
+        // its framework) that merges slashes, resolves dot segments,
+        // decodes percent-encoding, drops `;` parameters or ignores case
+        // would serve `/admin` for each of these paths.
+        let s = ServerPolicy::from_api(server(
+            detect(vec![
+                route(
+                    "admin",
+                    "/admin",
+                    vec![authz("admins", everywhere(), identities(&[WEB], &[]))],
+                ),
+                route(
+                    "public",
+                    "/",
+                    vec![authz(
+                        "anyone",
+                        everywhere(),
+                        Permit::Unauthenticated(PermitUnauthenticated {}),
+                    )],
+                ),
+            ]),
+            vec![],
+        ))
+        .unwrap();
+        let decide = |path, id| s.check_request(&get(path), "web:80", &client(id, "10.0.0.1"));
+        for path in [
+            "//admin",
+            "/./admin",
+            "/x/../admin",
+            "/x/%2e%2e/admin",
+            "/%61dmin/x",
+            "/admin%2fx",
+            "/admin;jsessionid=1",
+            "/ADMIN",
+            "/public/..%2F..%2Fadmin?q=1",
+        ] {
+            assert_eq!(
+                decide(path, Some(OTHER)),
+                Decision::Denied {
+                    route: "admin".into()
+                },
+                "{path}"
+            );
+            assert!(allowed(&decide(path, Some(WEB))), "{path}");
+        }
+        for path in ["/", "/x", "/x/y/", "/adminx", "/a%20b", "/x?next=/admin"] {
+            assert!(allowed(&decide(path, Some(OTHER))), "{path}");
+        }
     }
 
     #[test]
