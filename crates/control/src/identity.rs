@@ -236,14 +236,19 @@ impl IdentitySource {
     /// issuer and bundle are put in force together if the issuer is valid
     /// now and chains to a root of the bundle; otherwise the change is
     /// refused with the reason and the last good pair stays.
-    pub async fn follow(mut self, metrics: IdentityMetrics, shutdown: tether_admin::Shutdown) {
-        let mut stamps = std::mem::replace(&mut self.stamps, FileStamps::new(Vec::new()));
+    pub async fn follow(self, metrics: IdentityMetrics, shutdown: tether_admin::Shutdown) {
+        let Self {
+            dir,
+            issuer: in_use,
+            bundle,
+            mut stamps,
+        } = self;
         loop {
             tokio::select! {
                 _ = stamps.next_change(IDENTITY_POLL) => {}
                 _ = shutdown.triggered() => return,
             }
-            let checked = read_identity(&self.dir).and_then(|(issuer, trust)| {
+            let checked = read_identity(&dir).and_then(|(issuer, trust)| {
                 issuer.check(&trust).map_err(StartError::Unchained)?;
                 Ok((issuer, trust))
             });
@@ -252,14 +257,14 @@ impl IdentitySource {
                     metrics.reloaded("ok");
                     metrics.in_use(&issuer, &trust);
                     tracing::info!(issuer = %issuer.fingerprint(), not_after = tether_identity::ca::unix_secs(issuer.not_after()), roots = ?trust.fingerprints, "identity: issuer in use");
-                    self.bundle.install(trust);
-                    if issuer.fingerprint() != self.issuer.borrow().fingerprint() {
-                        self.issuer.send_replace(Arc::new(issuer));
+                    bundle.install(trust);
+                    if issuer.fingerprint() != in_use.borrow().fingerprint() {
+                        in_use.send_replace(Arc::new(issuer));
                     }
                 }
                 Err(e) => {
                     metrics.reloaded("refused");
-                    let kept = self.issuer.borrow().fingerprint().to_string();
+                    let kept = in_use.borrow().fingerprint().to_string();
                     tracing::error!(error = %e, issuer = %kept, "identity: the changed identity directory is refused; the issuer in use stays");
                 }
             }
