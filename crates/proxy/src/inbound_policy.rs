@@ -466,7 +466,12 @@ impl ServerPolicy {
         }
     }
 
-    fn check_route<B>(&self, req: &http::Request<B>, host: &str, client: &Client<'_>) -> Decision {
+    fn check_route<B>(
+        &self,
+        req: &http::Request<B>,
+        host: &str,
+        client: &Client<'_>,
+    ) -> Decision<'_> {
         let Some(selected) = crate::policy::select(&self.routes, req, host) else {
             return Decision::NoRoute;
         };
@@ -994,11 +999,11 @@ mod tests {
             "/ADMIN",
             "/public/..%2F..%2Fadmin?q=1",
         ] {
-            assert_eq!(
-                decide(path, Some(OTHER)),
-                Decision::Denied {
-                    route: "admin".into()
-                },
+            assert!(
+                matches!(
+                    decide(path, Some(OTHER)),
+                    Decision::Denied { route: "admin" }
+                ),
                 "{path}"
             );
             assert!(allowed(&decide(path, Some(WEB))), "{path}");
