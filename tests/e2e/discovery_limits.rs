@@ -101,13 +101,21 @@ async fn a_service_of_100000_endpoints_is_routed() {
         .await;
     let admin = proxy.addr("admin");
     let labels = [("authority", target.as_str())];
-    // How many it holds, by its metrics; none while it is too busy taking
-    // them in to answer a scrape in time.
-    let held = || async {
-        let (_, text) = tether_mesh_up::stats::http_get(admin, "/metrics")
+    // Its metrics; none while it is too busy with 100 000 endpoints (its
+    // once-a-second sweep goes over all of them) to answer a scrape in time.
+    let scrape = || async {
+        tether_mesh_up::stats::http_get(admin, "/metrics")
             .await
-            .ok()?;
-        metric_sample(&text, "tether_proxy_discovery_endpoints", &labels)
+            .ok()
+            .map(|(_, text)| text)
+    };
+    // How many it holds.
+    let held = || async {
+        metric_sample(
+            &scrape().await?,
+            "tether_proxy_discovery_endpoints",
+            &labels,
+        )
     };
     // Taking in 100 000 endpoints takes as long as the machine's load
     // makes it (a debug build at load average 12 held 98 518 after 30 s):
@@ -131,7 +139,16 @@ async fn a_service_of_100000_endpoints_is_routed() {
         assert_eq!(a.status, 200, "{:?} {}", a.proxy_error(), a.body);
         assert_eq!(a.replica(), "big");
     }
-    let m = metrics(admin).await;
+    let answered = Instant::now();
+    let m = loop {
+        if let Some(m) = scrape().await {
+            break m;
+        }
+        assert!(
+            answered.elapsed() < STALL,
+            "the proxy's metrics never answered"
+        );
+    };
     assert_eq!(
         metric_value(&m, "tether_proxy_discovery_reconnects_total", &[]),
         0.0,
