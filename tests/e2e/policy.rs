@@ -152,6 +152,20 @@ async fn audit_lets_would_be_denials_through_and_counts_them() {
         metric_value(&m, "tether_proxy_inbound_denied_total", &[]),
         0.0
     );
+    // Audit left on lets everything through: it shows before any
+    // would-be denial does.
+    assert_eq!(
+        metric_value(&m, "tether_proxy_inbound_policy_audit", &[]),
+        1.0,
+        "{m}"
+    );
+    assert!(
+        scratch
+            .read_log("audited")
+            .contains("inbound policy audit is on"),
+        "{}",
+        scratch.read_log("audited")
+    );
     assert!(
         scratch
             .read_log("audited")

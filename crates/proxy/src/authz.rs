@@ -406,10 +406,18 @@ pub struct AuthzMetrics {
     audited: Family<DeniedLabels, Counter>,
     clients: Arc<Mutex<HashSet<String>>>,
     pub policies: PolicyCounters,
+    /// 1 while `--inbound-policy-audit` lets every denial through: a flag
+    /// left on after a rollout shows before any would-be denial does.
+    pub audit: prometheus_client::metrics::gauge::Gauge,
 }
 
 impl AuthzMetrics {
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "tether_proxy_inbound_policy_audit",
+            "1 while --inbound-policy-audit lets every denial through",
+            self.audit.clone(),
+        );
         registry.register(
             "tether_proxy_inbound_allowed",
             "Inbound requests and connections the authorization policy admitted, by server, route and authorization",

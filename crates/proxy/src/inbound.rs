@@ -137,6 +137,10 @@ impl Inbound {
         mode: TlsMode,
         authz: Authorizer,
     ) -> Self {
+        if config.policy.audit {
+            tracing::warn!("inbound policy audit is on (--inbound-policy-audit): requests and connections the policy denies are let through");
+        }
+        metrics.authz.audit.set(i64::from(config.policy.audit));
         let connector = Connector::plain(connect_timeout);
         // A peer proxy that offers the transport header's ALPN (as
         // linkerd2-proxy does for opaque TCP) gets it; one that offers no
