@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Discovery under churn: registry change → subscriber latency, control-plane
 # RSS/CPU, memory per subscriber. Arguments go to the harness:
-#   --endpoints N (≤10000) --services S --subscribers M (≤5000) --churn R (≤500/s) --seconds T
+#   --endpoints N (≤100000) --services S --subscribers M (≤20000) --churn R (≤500/s) --seconds T
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p tether -p tether-bench

@@ -6,6 +6,10 @@
 //! subscriber receipt, the control plane's RSS and CPU, and memory per
 //! subscriber.
 //!
+//! A service's endpoints are written in files of at most
+//! [`ENDPOINTS_PER_FILE`] (Endpoints documents add up), so a service of
+//! 100,000 endpoints is 20 files and a change rewrites one of them.
+//!
 //! Usage: bench/discovery.sh [--endpoints N] [--services S] [--subscribers M]
 //!                           [--churn R] [--seconds T]
 
@@ -58,16 +62,16 @@ fn parse_args() -> anyhow::Result<Args> {
         }
     }
     anyhow::ensure!(
-        (1..=10_000).contains(&a.endpoints),
-        "--endpoints must be 1-10000"
+        (1..=100_000).contains(&a.endpoints),
+        "--endpoints must be 1-100000"
     );
     anyhow::ensure!(
         (1..=a.endpoints).contains(&a.services),
         "--services must be 1..endpoints"
     );
     anyhow::ensure!(
-        (1..=5_000).contains(&a.subscribers),
-        "--subscribers must be 1-5000"
+        (1..=20_000).contains(&a.subscribers),
+        "--subscribers must be 1-20000"
     );
     anyhow::ensure!(
         a.churn > 0.0 && a.churn <= 500.0,
@@ -80,22 +84,32 @@ fn parse_args() -> anyhow::Result<Args> {
     Ok(a)
 }
 
-/// A service's endpoints, oldest first; addresses are never reused.
+/// The most endpoints one registry file of the bench holds.
+const ENDPOINTS_PER_FILE: usize = 5_000;
+
+/// A service's endpoints in files of at most [`ENDPOINTS_PER_FILE`], each
+/// oldest first; addresses are never reused.
 struct Service {
     name: String,
-    endpoints: VecDeque<(SocketAddr, String)>,
+    files: Vec<VecDeque<(SocketAddr, String)>>,
+    changes: usize,
+}
+
+impl Service {
+    fn endpoints(&self) -> impl Iterator<Item = &SocketAddr> {
+        self.files.iter().flatten().map(|(a, _)| a)
+    }
 }
 
 fn endpoint_addr(n: u32) -> SocketAddr {
     SocketAddr::new(Ipv4Addr::from(0x0a00_0000 + n).into(), 80)
 }
 
-fn write_endpoints(dir: &Path, svc: &Service) -> anyhow::Result<()> {
+fn write_endpoints(dir: &Path, svc: &Service, file: usize) -> anyhow::Result<()> {
     let doc = Document::Endpoints(EndpointsDoc {
         service: svc.name.clone(),
         namespace: "bench".into(),
-        endpoints: svc
-            .endpoints
+        endpoints: svc.files[file]
             .iter()
             .map(|(a, zone)| EndpointSpec {
                 zone: Some(zone.clone()),
@@ -103,7 +117,7 @@ fn write_endpoints(dir: &Path, svc: &Service) -> anyhow::Result<()> {
             })
             .collect(),
     });
-    write_document(dir, &format!("{}.endpoints.yaml", svc.name), &doc)?;
+    write_document(dir, &format!("{}.endpoints-{file}.yaml", svc.name), &doc)?;
     Ok(())
 }
 
@@ -133,14 +147,23 @@ async fn main() -> anyhow::Result<()> {
             &format!("{name}.yaml"),
             &Document::Service(ServiceDoc::new(&name, "bench", vec![PortSpec::http(80)])),
         )?;
-        let endpoints = (0..per_service.max(1))
+        let endpoints: Vec<_> = (0..per_service.max(1))
             .map(|_| {
                 next_addr += 1;
                 (endpoint_addr(next_addr), "init".to_string())
             })
             .collect();
-        let svc = Service { name, endpoints };
-        write_endpoints(&registry, &svc)?;
+        let svc = Service {
+            name,
+            files: endpoints
+                .chunks(ENDPOINTS_PER_FILE)
+                .map(|c| c.iter().cloned().collect())
+                .collect(),
+            changes: 0,
+        };
+        for file in 0..svc.files.len() {
+            write_endpoints(&registry, &svc, file)?;
+        }
         services.push(svc);
     }
     let s = |v: &str| v.to_string();
@@ -222,12 +245,13 @@ async fn main() -> anyhow::Result<()> {
             tokio::time::sleep(wait).await;
         }
         let svc = &mut services[changes % args.services];
-        svc.endpoints.pop_front();
+        let file = svc.changes % svc.files.len();
+        svc.changes += 1;
+        svc.files[file].pop_front();
         next_addr += 1;
-        svc.endpoints
-            .push_back((endpoint_addr(next_addr), now_stamp()));
+        svc.files[file].push_back((endpoint_addr(next_addr), now_stamp()));
         let t = Instant::now();
-        write_endpoints(&registry, svc)?;
+        write_endpoints(&registry, svc, file)?;
         write_time += t.elapsed();
         changes += 1;
     }
@@ -280,10 +304,7 @@ async fn main() -> anyhow::Result<()> {
     // None lost: every subscriber's final view is the registry's final state.
     let mut converged = 0u64;
     for (svc, authority) in services.iter().zip(&authorities) {
-        let want = format!(
-            "{:016x}",
-            tether_bench::endpoints_digest(svc.endpoints.iter().map(|(a, _)| a))
-        );
+        let want = format!("{:016x}", tether_bench::endpoints_digest(svc.endpoints()));
         converged += report["final_views"][authority][&want]
             .as_u64()
             .unwrap_or(0);

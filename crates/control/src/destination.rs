@@ -290,12 +290,59 @@ impl Subscriptions {
 
 // === impl SentState ===
 
-/// What one subscriber has been told so far.
+/// What one subscriber has been told so far: the endpoints of the state it
+/// was last sent, shared with the slot that published it (and with every
+/// other subscriber sent the same state), so it holds no copy of its own.
 #[derive(Default, Debug, Clone, PartialEq)]
 pub struct SentState {
-    endpoints: BTreeMap<SocketAddr, EndpointMeta>,
+    endpoints: Arc<BTreeMap<SocketAddr, EndpointMeta>>,
     /// `Some(exists)` when the last thing sent was `NoEndpoints`.
     no_endpoints: Option<bool>,
+}
+
+/// What changed between two endpoint sets: the addresses gone, and the
+/// endpoints new or changed. One ordered walk of both (they are sorted by
+/// address), and none at all when they are the same set.
+fn changes(
+    old: &Arc<BTreeMap<SocketAddr, EndpointMeta>>,
+    new: &Arc<BTreeMap<SocketAddr, EndpointMeta>>,
+) -> (Vec<SocketAddr>, Vec<(SocketAddr, EndpointMeta)>) {
+    let (mut removed, mut added) = (Vec::new(), Vec::new());
+    if Arc::ptr_eq(old, new) {
+        return (removed, added);
+    }
+    let (mut o, mut n) = (old.iter().peekable(), new.iter().peekable());
+    loop {
+        match (o.peek(), n.peek()) {
+            (None, None) => break,
+            (Some((a, _)), None) => {
+                removed.push(**a);
+                o.next();
+            }
+            (None, Some((a, m))) => {
+                added.push((**a, (*m).clone()));
+                n.next();
+            }
+            (Some((oa, om)), Some((na, nm))) => match oa.cmp(na) {
+                std::cmp::Ordering::Less => {
+                    removed.push(**oa);
+                    o.next();
+                }
+                std::cmp::Ordering::Greater => {
+                    added.push((**na, (*nm).clone()));
+                    n.next();
+                }
+                std::cmp::Ordering::Equal => {
+                    if om != nm {
+                        added.push((**na, (*nm).clone()));
+                    }
+                    o.next();
+                    n.next();
+                }
+            },
+        }
+    }
+    (removed, added)
 }
 
 impl SentState {
@@ -304,15 +351,8 @@ impl SentState {
     /// `Remove`s and `Add`s, each at most [`MAX_UPDATE_BYTES`] encoded.
     pub fn diff(&mut self, snap: &PortSnapshot, service: &SlotKey) -> Vec<Update> {
         let mut out = Vec::new();
-        let removed: Vec<SocketAddr> = self
-            .endpoints
-            .keys()
-            .filter(|a| !snap.endpoints.contains_key(a))
-            .copied()
-            .collect();
-        for a in &removed {
-            self.endpoints.remove(a);
-        }
+        let (removed, added) = changes(&self.endpoints, &snap.endpoints);
+        self.endpoints = snap.endpoints.clone();
         let removed = removed.into_iter().map(TcpAddress::from).collect();
         // Adds go first, Removes after: a client that publishes what it has
         // between two messages never sees a set emptied by a replacement.
@@ -332,13 +372,10 @@ impl SentState {
             return out;
         }
         self.no_endpoints = None;
-        let mut added = Vec::new();
-        for (a, m) in &snap.endpoints {
-            if self.endpoints.get(a) != Some(m) {
-                self.endpoints.insert(*a, m.clone());
-                added.push(weighted_addr(*a, m));
-            }
-        }
+        let added = added
+            .into_iter()
+            .map(|(a, m)| weighted_addr(a, &m))
+            .collect();
         let metric_labels = match service {
             SlotKey::Service(k) => HashMap::from([
                 ("service".to_string(), k.name.clone()),
@@ -501,7 +538,7 @@ async fn feed(
         let published = slot.borrow_and_update().clone();
         let updates = {
             let mut state = sub.state.lock().unwrap();
-            let updates = state.sent.diff(&sub.view(&published.snap), &sub.service);
+            let updates = state.sent.diff(published.view(sub.tiers), &sub.service);
             state.version = published.version;
             state.sending = !updates.is_empty();
             updates
@@ -766,10 +803,12 @@ mod tests {
         PortSnapshot {
             exists,
             opaque: false,
-            endpoints: ports
-                .iter()
-                .map(|p| (SocketAddr::from(([127, 0, 0, 1], *p)), meta()))
-                .collect(),
+            endpoints: Arc::new(
+                ports
+                    .iter()
+                    .map(|p| (SocketAddr::from(([127, 0, 0, 1], *p)), meta()))
+                    .collect(),
+            ),
         }
     }
 
@@ -827,7 +866,8 @@ mod tests {
                     };
                     (addr, m)
                 })
-                .collect(),
+                .collect::<BTreeMap<_, _>>()
+                .into(),
         }
     }
 
@@ -892,10 +932,63 @@ mod tests {
     }
 
     #[test]
+    fn changes_are_what_a_set_comparison_finds() {
+        // Pseudo-random sets over a small address space, so they overlap
+        // and share entries whose metadata differs.
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut set = |next: &mut dyn FnMut() -> u64| {
+            let n = next() % 40;
+            let map: BTreeMap<SocketAddr, EndpointMeta> = (0..n)
+                .map(|_| {
+                    let port = (next() % 64) as u16 + 1;
+                    let meta = EndpointMeta {
+                        weight: (next() % 2) as u32 + 1,
+                        ..meta()
+                    };
+                    (SocketAddr::from(([127, 0, 0, 1], port)), meta)
+                })
+                .collect();
+            Arc::new(map)
+        };
+        for _ in 0..500 {
+            let (old, new) = (set(&mut next), set(&mut next));
+            let (removed, added) = changes(&old, &new);
+            let want_removed: Vec<SocketAddr> = old
+                .keys()
+                .filter(|a| !new.contains_key(a))
+                .copied()
+                .collect();
+            let want_added: Vec<(SocketAddr, EndpointMeta)> = new
+                .iter()
+                .filter(|(a, m)| old.get(a) != Some(m))
+                .map(|(a, m)| (*a, m.clone()))
+                .collect();
+            assert_eq!(removed, want_removed, "{old:?} -> {new:?}");
+            assert_eq!(added, want_added, "{old:?} -> {new:?}");
+        }
+    }
+
+    #[test]
+    fn a_subscriber_keeps_the_state_it_was_sent_by_reference() {
+        let key = SlotKey::Service(ServiceKey::new("web", "demo"));
+        let s = snap(true, &[1, 2, 3]);
+        let mut sent = SentState::default();
+        assert!(!sent.diff(&s, &key).is_empty());
+        assert!(Arc::ptr_eq(&sent.endpoints, &s.endpoints));
+        assert!(sent.diff(&s.clone(), &key).is_empty());
+    }
+
+    #[test]
     fn an_endpoint_too_large_for_any_update_is_left_out_and_not_resent() {
         let key = SlotKey::Service(ServiceKey::new("web", "demo"));
         let mut s = snap(true, &[1, 2]);
-        s.endpoints
+        Arc::make_mut(&mut s.endpoints)
             .get_mut(&SocketAddr::from(([127, 0, 0, 1], 2)))
             .unwrap()
             .name = Some("x".repeat(MAX_UPDATE_BYTES));

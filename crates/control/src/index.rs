@@ -84,12 +84,14 @@ pub struct EndpointMeta {
 }
 
 /// The current state of one (service, port): only ready endpoints, of
-/// every tier.
+/// every tier. The endpoints are shared: every subscriber that was sent a
+/// state keeps it by reference (what it was sent is what it diffs the next
+/// state against), so a subscriber costs no copy of its service.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct PortSnapshot {
     pub exists: bool,
     pub opaque: bool,
-    pub endpoints: BTreeMap<SocketAddr, EndpointMeta>,
+    pub endpoints: Arc<BTreeMap<SocketAddr, EndpointMeta>>,
 }
 
 impl PortSnapshot {
@@ -108,12 +110,13 @@ impl PortSnapshot {
         std::borrow::Cow::Owned(PortSnapshot {
             exists: self.exists,
             opaque: self.opaque,
-            endpoints: self
-                .endpoints
-                .iter()
-                .filter(|(_, m)| tier(m) == best)
-                .map(|(a, m)| (*a, m.clone()))
-                .collect(),
+            endpoints: Arc::new(
+                self.endpoints
+                    .iter()
+                    .filter(|(_, m)| tier(m) == best)
+                    .map(|(a, m)| (*a, m.clone()))
+                    .collect(),
+            ),
         })
     }
 }
@@ -126,6 +129,32 @@ pub struct Published {
     pub version: u64,
     pub observed_at: Instant,
     pub snap: PortSnapshot,
+    /// `snap`'s best tier when it has several: computed once here rather
+    /// than by each subscriber that does not read tiers.
+    best_tier: Option<PortSnapshot>,
+}
+
+impl Published {
+    pub fn new(version: u64, observed_at: Instant, snap: PortSnapshot) -> Self {
+        let best_tier = match snap.best_tier() {
+            std::borrow::Cow::Borrowed(_) => None,
+            std::borrow::Cow::Owned(best) => Some(best),
+        };
+        Self {
+            version,
+            observed_at,
+            snap,
+            best_tier,
+        }
+    }
+
+    /// What a subscriber is sent: every tier, or only the best.
+    pub fn view(&self, tiers: bool) -> &PortSnapshot {
+        match &self.best_tier {
+            Some(best) if !tiers => best,
+            _ => &self.snap,
+        }
+    }
 }
 
 pub type SlotReceiver = watch::Receiver<Arc<Published>>;
@@ -482,11 +511,7 @@ impl Index {
             .or_default()
             .entry(port)
             .or_insert_with(|| {
-                watch::Sender::new(Arc::new(Published {
-                    version: 0,
-                    observed_at: Instant::now(),
-                    snap,
-                }))
+                watch::Sender::new(Arc::new(Published::new(0, Instant::now(), snap)))
             });
         slot.subscribe()
     }
@@ -671,7 +696,7 @@ impl Inner {
             SlotKey::Global(g) => PortSnapshot {
                 exists: self.by_global.contains_key(g),
                 opaque: false,
-                endpoints: self.local_union(g, port),
+                endpoints: Arc::new(self.local_union(g, port)),
             },
             SlotKey::Endpoint(addr) => {
                 let found = self.services.values().find_map(|svc| {
@@ -687,7 +712,7 @@ impl Inner {
                     Some(meta) => PortSnapshot {
                         exists: true,
                         opaque: meta.opaque,
-                        endpoints: BTreeMap::from([(*addr, meta)]),
+                        endpoints: Arc::new(BTreeMap::from([(*addr, meta)])),
                     },
                     None => PortSnapshot::default(),
                 }
@@ -703,7 +728,7 @@ impl Inner {
                     return PortSnapshot {
                         exists: true,
                         opaque: spec.opaque,
-                        endpoints: ready_endpoints(svc, port, &self.cluster),
+                        endpoints: Arc::new(ready_endpoints(svc, port, &self.cluster)),
                     };
                 };
                 let mut endpoints = self.local_union(global, port);
@@ -715,7 +740,7 @@ impl Inner {
                 PortSnapshot {
                     exists: true,
                     opaque: spec.opaque,
-                    endpoints,
+                    endpoints: Arc::new(endpoints),
                 }
             }
         }
@@ -801,11 +826,7 @@ fn publish(slot: &mut Slot, snap: PortSnapshot, observed_at: Instant) {
         if cur.snap == snap {
             return false;
         }
-        *cur = Arc::new(Published {
-            version: cur.version + 1,
-            observed_at,
-            snap,
-        });
+        *cur = Arc::new(Published::new(cur.version + 1, observed_at, snap));
         true
     });
 }
