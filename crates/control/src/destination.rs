@@ -942,7 +942,7 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        let mut set = |next: &mut dyn FnMut() -> u64| {
+        let set = |next: &mut dyn FnMut() -> u64| {
             let n = next() % 40;
             let map: BTreeMap<SocketAddr, EndpointMeta> = (0..n)
                 .map(|_| {
