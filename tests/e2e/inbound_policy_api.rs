@@ -302,6 +302,14 @@ fn check_grpc_route(r: &api::GrpcRoute) -> Result<RouteView, String> {
     if r.rules.is_empty() {
         return Err("a route without rules".into());
     }
+    // linkerd2-proxy: `pb.rpc.ok_or(InvalidRouteMatch::MissingRpc)`.
+    if r.rules
+        .iter()
+        .flat_map(|rule| &rule.matches)
+        .any(|m| m.rpc.is_none())
+    {
+        return Err("a gRPC route match without an RPC match".into());
+    }
     let rules = r
         .rules
         .iter()

@@ -425,6 +425,8 @@ fn check_policy(p: &OutboundPolicy) -> Result<Vec<(String, u32)>, String> {
                 }
                 for rule in &route.rules {
                     for m in &rule.matches {
+                        // `pb.rpc.ok_or(InvalidRouteMatch::MissingRpc)`
+                        need(m.rpc.as_ref(), "RPC match")?;
                         m.headers.iter().try_for_each(check_header_match)?;
                     }
                     for f in &rule.filters {

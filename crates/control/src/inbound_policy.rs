@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Duration;
 
-use linkerd2_proxy_api::grpc_route::GrpcRouteMatch;
+use linkerd2_proxy_api::grpc_route::{GrpcRouteMatch, GrpcRpcMatch};
 use linkerd2_proxy_api::http_route::{path_match, HttpRouteMatch, PathMatch};
 use linkerd2_proxy_api::inbound::{
     self as api, authn, inbound_server_policies_server::InboundServerPolicies, proxy_protocol,
@@ -421,7 +421,8 @@ impl InboundTarget<'_> {
                         .map(|rule| api::grpc_route::Rule {
                             matches: if rule.matches.is_empty() {
                                 vec![GrpcRouteMatch {
-                                    rpc: None,
+                                    // linkerd2-proxy refuses a match without an RPC match
+                                    rpc: Some(GrpcRpcMatch::default()),
                                     headers: vec![],
                                 }]
                             } else {
@@ -447,7 +448,8 @@ impl InboundTarget<'_> {
             authorizations: vec![],
             rules: vec![api::grpc_route::Rule {
                 matches: vec![GrpcRouteMatch {
-                    rpc: None,
+                    // linkerd2-proxy refuses a match without an RPC match
+                    rpc: Some(GrpcRpcMatch::default()),
                     headers: vec![],
                 }],
                 filters: vec![],

@@ -549,7 +549,8 @@ impl Target<'_> {
     fn grpc_rule(&self, namespace: &str, rule: &GrpcRule) -> grpc_route::Rule {
         let matches = if rule.matches.is_empty() {
             vec![GrpcRouteMatch {
-                rpc: None,
+                // linkerd2-proxy refuses a match without an RPC match
+                rpc: Some(GrpcRpcMatch::default()),
                 headers: vec![],
             }]
         } else {
@@ -748,10 +749,17 @@ pub(crate) fn http_match(m: &HttpMatch) -> HttpRouteMatch {
 
 pub(crate) fn grpc_match(m: &tether_core::route::GrpcMatch) -> GrpcRouteMatch {
     GrpcRouteMatch {
-        rpc: m.method.as_ref().map(|method| GrpcRpcMatch {
-            service: method.service.clone().unwrap_or_default(),
-            method: method.method.clone().unwrap_or_default(),
-        }),
+        // Always present (linkerd2-proxy refuses a match without one); an
+        // empty one matches every method of every service.
+        rpc: Some(
+            m.method
+                .as_ref()
+                .map(|method| GrpcRpcMatch {
+                    service: method.service.clone().unwrap_or_default(),
+                    method: method.method.clone().unwrap_or_default(),
+                })
+                .unwrap_or_default(),
+        ),
         headers: m.headers.iter().map(header_match).collect(),
     }
 }
