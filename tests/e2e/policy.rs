@@ -39,8 +39,11 @@ async fn each_default_policy_admits_mtls_and_plaintext_clients_as_named() {
     let tls = certified_client_tls(control.addr("grpc"), &ca, CLIENT).await;
     let web = authority("web", 8080);
     let cluster = ["--default-inbound-policy", "cluster-authenticated"];
-    // (name, flags, mTLS client admitted, plaintext loopback client admitted)
-    let cases: [(&str, Vec<&str>, bool, bool); 5] = [
+    let cluster_any = ["--default-inbound-policy", "cluster-unauthenticated"];
+    let loopback = ["--cluster-networks", "127.0.0.0/8"];
+    // (name, flags, mTLS client admitted, plaintext loopback client admitted);
+    // every client here is on loopback, outside the default cluster networks.
+    let cases: [(&str, Vec<&str>, bool, bool); 7] = [
         ("all-unauthenticated", vec![], true, true),
         (
             "all-authenticated",
@@ -48,12 +51,24 @@ async fn each_default_policy_admits_mtls_and_plaintext_clients_as_named() {
             true,
             false,
         ),
-        ("cluster-authenticated", cluster.to_vec(), true, false),
+        (
+            "cluster-unauthenticated",
+            cluster_any.to_vec(),
+            false,
+            false,
+        ),
+        (
+            "cluster-unauthenticated-loopback",
+            [&cluster_any[..], &loopback[..]].concat(),
+            true,
+            true,
+        ),
+        ("cluster-authenticated", cluster.to_vec(), false, false),
         (
             "cluster-authenticated-loopback",
-            [&cluster[..], &["--cluster-networks", "127.0.0.0/8"]].concat(),
+            [&cluster[..], &loopback[..]].concat(),
             true,
-            true,
+            false,
         ),
         (
             "deny",
@@ -101,10 +116,11 @@ async fn each_default_policy_admits_mtls_and_plaintext_clients_as_named() {
         let expected = [plain_ok, mtls_ok].iter().filter(|ok| !**ok).count() as f64;
         assert_eq!(denied, expected, "{name}: {m}");
         if !mtls_ok {
+            let default = format!("default:{policy}");
             let labels = [
-                ("server", "default:deny"),
+                ("server", default.as_str()),
                 ("route", "default"),
-                ("authz", "default:deny"),
+                ("authz", default.as_str()),
                 ("client_id", CLIENT),
             ];
             assert_eq!(

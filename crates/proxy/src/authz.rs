@@ -7,7 +7,8 @@
 //! | --- | --- |
 //! | `all-unauthenticated` | every client |
 //! | `all-authenticated` | clients with a verified mesh certificate (mTLS) |
-//! | `cluster-authenticated` | mTLS clients, and any client from `--cluster-networks` |
+//! | `cluster-unauthenticated` | any client from `--cluster-networks` |
+//! | `cluster-authenticated` | mTLS clients from `--cluster-networks` |
 //! | `deny` | no client |
 //!
 //! With `--inbound-policy-audit` a request the policy would deny is let
@@ -43,6 +44,7 @@ pub enum DefaultPolicy {
     #[default]
     AllUnauthenticated,
     AllAuthenticated,
+    ClusterUnauthenticated,
     ClusterAuthenticated,
     Deny,
 }
@@ -52,6 +54,7 @@ impl DefaultPolicy {
         match self {
             Self::AllUnauthenticated => "all-unauthenticated",
             Self::AllAuthenticated => "all-authenticated",
+            Self::ClusterUnauthenticated => "cluster-unauthenticated",
             Self::ClusterAuthenticated => "cluster-authenticated",
             Self::Deny => "deny",
         }
@@ -64,6 +67,7 @@ impl std::str::FromStr for DefaultPolicy {
         [
             Self::AllUnauthenticated,
             Self::AllAuthenticated,
+            Self::ClusterUnauthenticated,
             Self::ClusterAuthenticated,
             Self::Deny,
         ]
@@ -72,7 +76,7 @@ impl std::str::FromStr for DefaultPolicy {
         .ok_or_else(|| {
             format!(
                 "unknown policy {:?}: expected all-unauthenticated, all-authenticated, \
-                 cluster-authenticated or deny",
+                 cluster-unauthenticated, cluster-authenticated or deny",
                 tether_core::truncate::for_log(s)
             )
         })
@@ -156,7 +160,8 @@ pub struct InboundPolicy {
     pub default: DefaultPolicy,
     /// Let would-be denials through, logged and counted.
     pub audit: bool,
-    /// Where `cluster-authenticated` admits plaintext clients from.
+    /// The networks `cluster-unauthenticated` and `cluster-authenticated`
+    /// admit clients from.
     pub cluster_networks: Vec<Network>,
 }
 
@@ -230,8 +235,13 @@ impl InboundPolicy {
         let allowed = match self.default {
             DefaultPolicy::AllUnauthenticated => true,
             DefaultPolicy::AllAuthenticated => identity.is_some(),
+            DefaultPolicy::ClusterUnauthenticated => {
+                self.cluster_networks.iter().any(|n| n.contains(peer))
+            }
+            // Linkerd's meaning (and what the control plane serves): mTLS
+            // clients, and only those in the cluster's networks.
             DefaultPolicy::ClusterAuthenticated => {
-                identity.is_some() || self.cluster_networks.iter().any(|n| n.contains(peer))
+                identity.is_some() && self.cluster_networks.iter().any(|n| n.contains(peer))
             }
             DefaultPolicy::Deny => false,
         };
@@ -500,23 +510,24 @@ mod tests {
             policy(p).check(id, ip) == Verdict::Allow
         };
         use DefaultPolicy::*;
-        for (p, mtls, plain_pod, plain_outside) in [
-            (AllUnauthenticated, true, true, true),
-            (AllAuthenticated, true, false, false),
-            (ClusterAuthenticated, true, true, false),
-            (Deny, false, false, false),
+        // (policy, mTLS in cluster, mTLS outside, plaintext in cluster,
+        // plaintext outside)
+        for (p, mtls_pod, mtls_outside, plain_pod, plain_outside) in [
+            (AllUnauthenticated, true, true, true, true),
+            (AllAuthenticated, true, true, false, false),
+            (ClusterUnauthenticated, true, false, true, false),
+            (ClusterAuthenticated, true, false, false, false),
+            (Deny, false, false, false, false),
         ] {
-            assert_eq!(allowed(p, id, outside), mtls, "{p:?} mTLS");
-            assert_eq!(
-                allowed(p, None, pod),
-                plain_pod,
-                "{p:?} plaintext in cluster"
-            );
-            assert_eq!(
-                allowed(p, None, outside),
-                plain_outside,
-                "{p:?} plaintext outside"
-            );
+            let cases = [
+                (id, pod, mtls_pod, "mTLS in cluster"),
+                (id, outside, mtls_outside, "mTLS outside"),
+                (None, pod, plain_pod, "plaintext in cluster"),
+                (None, outside, plain_outside, "plaintext outside"),
+            ];
+            for (id, ip, want, what) in cases {
+                assert_eq!(allowed(p, id, ip), want, "{p:?} {what}");
+            }
         }
         let audited = InboundPolicy {
             audit: true,

@@ -37,7 +37,8 @@ pub struct ProxyArgs {
     #[arg(long, requires = "app")]
     inbound_opaque: bool,
     /// Who may call the app: all-unauthenticated, all-authenticated (mTLS
-    /// clients only), cluster-authenticated (mTLS, or plaintext from
+    /// clients only), cluster-unauthenticated (any client from
+    /// --cluster-networks), cluster-authenticated (mTLS clients from
     /// --cluster-networks) or deny. Denied requests get 403, denied TCP
     /// connections are closed (docs/policy.md).
     #[arg(long, default_value = "all-unauthenticated")]
@@ -46,7 +47,7 @@ pub struct ProxyArgs {
     /// them (tether_proxy_inbound_audit_denied_total), for rollouts.
     #[arg(long)]
     inbound_policy_audit: bool,
-    /// Networks whose plaintext clients cluster-authenticated admits.
+    /// The networks the cluster-* policies admit clients from.
     #[arg(long, value_delimiter = ',', default_value = tether_proxy::authz::DEFAULT_CLUSTER_NETWORKS)]
     cluster_networks: Vec<tether_proxy::authz::Network>,
     /// The workload this proxy fronts, NAMESPACE/NAME (the registry
