@@ -767,8 +767,7 @@ mod tests {
     #[test]
     fn the_first_server_by_name_selecting_the_port_wins() {
         let s = set("kind: Server\nname: b\nnamespace: demo\npodSelector: {}\nport: 80\nproxyProtocol: opaque\n---\n\
-             kind: Server\nname: a\nnamespace: demo\npodSelector: {matchLabels: {app: web}}\nport: 80\n---\n\
-             kind: Server\nname: named\nnamespace: demo\npodSelector: {}\nport: http\n");
+             kind: Server\nname: a\nnamespace: demo\npodSelector: {matchLabels: {app: web}}\nport: 80\n");
         let web = Labels::from([("app".to_string(), "web".to_string())]);
         let name = |s: &Server| s.labels["name"].clone();
         assert_eq!(name(&answer(&s, "demo:web-0", Some(&web), 80)), "a");
@@ -778,8 +777,8 @@ mod tests {
             "b"
         );
         assert_eq!(name(&answer(&s, "demo:unknown", None, 80)), "b");
-        // No server on the port (a named port matches no number), another
-        // namespace, unreadable workload: the default.
+        // No server on the port, another namespace, unreadable workload:
+        // the default.
         for (w, port) in [("demo:web-0", 81), ("other:web-0", 80), ("garbage", 80)] {
             let a = answer(&s, w, Some(&web), port);
             assert_eq!(a.labels["kind"], "default", "{w} {port}");

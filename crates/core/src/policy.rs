@@ -701,6 +701,11 @@ impl PolicyDoc {
                         "field `port`: {} is neither a port number nor a port name",
                         for_log(n)
                     )),
+                    // A Server that matched no port would leave the port to
+                    // the default policy: fail open, silently.
+                    ServerPort::Name(n) => Err(format!(
+                        "field `port`: named ports ({n}) are not resolved yet: use the port number"
+                    )),
                     _ => Ok(()),
                 }
             }
@@ -931,6 +936,7 @@ defaultInboundPolicy: all-authenticated
             ("kind: NetworkAuthentication\nname: n\nnetworks: [{cidr: 10.0.0.0/33}]\n", "networks[0].cidr"),
             ("kind: NetworkAuthentication\nname: n\nnetworks: [{cidr: nope}]\n", "networks[0].cidr"),
             ("kind: Namespace\nname: demo\ndefaultInboundPolicy: allow\n", "defaultInboundPolicy"),
+            ("kind: Server\nname: s\npodSelector: {}\nport: http\n", "named ports (http) are not resolved yet"),
         ] {
             let e = policy(text).unwrap_err();
             assert!(e.contains(field), "{text}: {e}");
