@@ -527,6 +527,10 @@ fn sidecars(o: &InjectOptions, app_port: i64, opaque: bool) -> Vec<Container> {
                 "/var/run/tether/trust/ca.crt".into(),
                 "--control-identity".into(),
                 tether_identity::control::control_identity(&o.control_namespace, &o.cluster_domain),
+                // The pod, so the proxy follows the inbound policy the
+                // control plane serves for it (docs/policy.md).
+                "--workload".into(),
+                "$(TETHER_NAMESPACE)/$(TETHER_POD_NAME)".into(),
             ]
             .into_iter()
             .chain(opaque.then(|| "--inbound-opaque".to_string()))
@@ -535,6 +539,7 @@ fn sidecars(o: &InjectOptions, app_port: i64, opaque: bool) -> Vec<Container> {
         env: Some(vec![
             env_field("TETHER_SERVICE_ACCOUNT", "spec.serviceAccountName"),
             env_field("TETHER_NAMESPACE", "metadata.namespace"),
+            env_field("TETHER_POD_NAME", "metadata.name"),
         ]),
         startup_probe: Some(http_probe("/ready", ADMIN_PORT)),
         readiness_probe: Some(http_probe("/ready", ADMIN_PORT)),
@@ -871,6 +876,24 @@ data: {a: b}
             .as_ref()
             .unwrap()
             .contains(&"127.0.0.1:8080".to_string()));
+        // The proxy follows its pod's inbound policy: --workload NS/POD, from
+        // the downward API.
+        let args = proxy.args.as_ref().unwrap();
+        let workload = args.iter().position(|a| a == "--workload").unwrap();
+        assert_eq!(args[workload + 1], "$(TETHER_NAMESPACE)/$(TETHER_POD_NAME)");
+        let env = proxy.env.as_ref().unwrap();
+        let pod_name = env.iter().find(|e| e.name == "TETHER_POD_NAME").unwrap();
+        assert_eq!(
+            pod_name
+                .value_from
+                .as_ref()
+                .unwrap()
+                .field_ref
+                .as_ref()
+                .unwrap()
+                .field_path,
+            "metadata.name"
+        );
         assert_eq!(
             proxy.security_context.as_ref().unwrap().run_as_user,
             Some(PROXY_UID)
