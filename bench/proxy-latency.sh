@@ -7,6 +7,7 @@
 #   --concurrency C --proxy-arg ARG (repeatable, for every Tether proxy)
 #   --compare-threads N (an extra mTLS pair with --threads N; repeatable)
 #   --compare BINARY (an extra mTLS pair of another tether build, e.g. before a change)
+#   --perf DIR (perf record the proxies during the first repetition, into DIR/*.data)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p tether -p tether-bench

@@ -22,6 +22,12 @@
 //! `--compare-threads N` adds an mTLS pair run with `--threads N`;
 //! `--compare BINARY` adds an mTLS pair of another build (say, before a
 //! change), so a change's effect is a ratio from one run.
+//!
+//! `--perf DIR` profiles: during the first repetition, every proxy pair's
+//! runs are recorded with `perf record` (call graphs by DWARF unwinding)
+//! into `DIR/<path>-<rate>.data`, for `perf report --no-children -i FILE`.
+//! Unwinding costs the profiled processes kernel time, so a profiled run's
+//! CPU figures are not to be compared with an unprofiled one's.
 
 #![forbid(unsafe_code)]
 
@@ -47,6 +53,8 @@ struct Args {
     compare: Option<PathBuf>,
     /// Worker counts run as extra mTLS pairs (`--threads N`).
     compare_threads: Vec<String>,
+    /// Where `perf record` writes the first repetition's profiles.
+    perf: Option<PathBuf>,
 }
 
 /// One pair of Tether proxies to measure.
@@ -92,6 +100,7 @@ fn parse_args() -> anyhow::Result<Args> {
         proxy_args: Vec::new(),
         compare: None,
         compare_threads: Vec::new(),
+        perf: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -111,6 +120,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--proxy-arg" => args.proxy_args.push(value),
             "--compare" => args.compare = Some(value.into()),
             "--compare-threads" => args.compare_threads.push(value),
+            "--perf" => args.perf = Some(value.into()),
             other => bail!("unknown flag {other}"),
         }
     }
@@ -574,6 +584,7 @@ async fn main() -> anyhow::Result<()> {
         for (ri, &rate) in args.rates.iter().enumerate() {
             for (r, sample) in routes.iter().zip(&mut samples) {
                 let before = cpu(r);
+                let _perf = profile(&args, rep, r, &rate.to_string())?;
                 let report = load(&args, r, Some(rate), args.seconds)?;
                 sample.fixed[ri].push(Fixed {
                     p: [
@@ -587,6 +598,7 @@ async fn main() -> anyhow::Result<()> {
         }
         for (r, sample) in routes.iter().zip(&mut samples) {
             let before = cpu(r);
+            let _perf = profile(&args, rep, r, "max")?;
             let report = load(&args, r, None, max_secs(&args))?;
             sample.max_rps.push(f(&report, "rps"));
             sample.max_cpu_per_k.push(per_k(cpu(r) - before, &report));
@@ -611,6 +623,48 @@ async fn main() -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// `perf record` on a route's proxies (first repetition, `--perf` only),
+/// stopped (SIGINT, so it writes its file) when the guard drops.
+struct PerfRecord(std::process::Child);
+
+impl Drop for PerfRecord {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-INT", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
+    }
+}
+
+fn profile(
+    args: &Args,
+    rep: usize,
+    route: &Route,
+    run: &str,
+) -> anyhow::Result<Option<PerfRecord>> {
+    let Some(dir) = &args.perf else {
+        return Ok(None);
+    };
+    if rep > 0 || route.pids.is_empty() {
+        return Ok(None);
+    }
+    ensure_installed("perf", "linux-perf")?;
+    std::fs::create_dir_all(dir)?;
+    let pids: Vec<String> = route.pids.iter().map(u32::to_string).collect();
+    let out = dir.join(format!("{}-{run}.data", route.name.replace('+', "-")));
+    let child = std::process::Command::new("perf")
+        .args(["record", "-q", "-F", "499", "--call-graph", "dwarf,16384"])
+        .args(["-p", &pids.join(","), "-o"])
+        .arg(&out)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting perf record")?;
+    // perf needs a moment to attach before the load starts.
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(Some(PerfRecord(child)))
 }
 
 fn max_secs(args: &Args) -> f64 {
