@@ -71,22 +71,108 @@ pub struct Connection {
 }
 
 impl Connection {
-    pub async fn send(self, req: Request<Body>) -> Result<Response<Incoming>, hyper::Error> {
+    pub async fn send(self, req: Request<Body>) -> Result<Response<ResponseBody>, hyper::Error> {
         match self.kind {
-            Kind::H2(mut s) => s.send_request(req).await,
+            Kind::H2(mut s) => Ok(s.send_request(req).await?.map(|inner| ResponseBody {
+                inner,
+                release: None,
+            })),
             Kind::H1(mut s, pool) => {
                 let rsp = s.send_request(req).await?;
-                let tls = self.tls;
-                // Back to the pool once the response body has been read.
-                tokio::spawn(async move {
-                    if s.ready().await.is_ok() {
-                        let mut idle = pool.lock().unwrap();
-                        if idle.len() < MAX_IDLE_H1 {
-                            idle.push((s, tls));
-                        }
-                    }
-                });
-                Ok(rsp)
+                // A connection that switched protocols is the tunnel's now.
+                let release =
+                    (rsp.status() != http::StatusCode::SWITCHING_PROTOCOLS).then(|| Release {
+                        sender: s,
+                        pool,
+                        tls: self.tls,
+                    });
+                Ok(rsp.map(|inner| ResponseBody { inner, release }))
+            }
+        }
+    }
+}
+
+/// An HTTP/1 connection waiting for its response body to end, to go back
+/// to its pool.
+struct Release {
+    sender: http1::SendRequest<Body>,
+    pool: H1Pool,
+    tls: bool,
+}
+
+impl Release {
+    /// Back to the pool once the connection can carry the next request.
+    /// By the time its body has been read to the end the connection is
+    /// almost always ready (its task ran first): it goes back at once,
+    /// without the task per request that used to wait for readiness.
+    fn release(self) {
+        if self.sender.is_ready() {
+            return self.park();
+        }
+        if self.sender.is_closed() {
+            return;
+        }
+        // Not ready yet (say, the request body is still being sent):
+        // wait for it off the request's path.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let mut this = self;
+            runtime.spawn(async move {
+                if this.sender.ready().await.is_ok() {
+                    this.park();
+                }
+            });
+        }
+    }
+
+    fn park(self) {
+        let mut idle = self.pool.lock().unwrap();
+        if idle.len() < MAX_IDLE_H1 {
+            idle.push((self.sender, self.tls));
+        }
+    }
+}
+
+/// A response body from an endpoint. Over HTTP/1 it hands its connection
+/// back to the pool once it has been read to its end; a body dropped
+/// before its end leaves the connection to close (hyper does not reuse it).
+pub struct ResponseBody {
+    inner: Incoming,
+    release: Option<Release>,
+}
+
+impl hyper::body::Body for ResponseBody {
+    type Data = bytes::Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, hyper::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if let std::task::Poll::Ready(None) = polled {
+            if let Some(release) = self.release.take() {
+                release.release();
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for ResponseBody {
+    fn drop(&mut self) {
+        // A server stops polling a body that says it has ended (an empty
+        // body is never polled at all): ended is as good as read.
+        if hyper::body::Body::is_end_stream(&self.inner) {
+            if let Some(release) = self.release.take() {
+                release.release();
             }
         }
     }
