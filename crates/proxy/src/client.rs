@@ -371,6 +371,56 @@ mod tests {
         assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection for all");
     }
 
+    /// Serves HTTP/1 on a fresh listener, counting accepted connections.
+    async fn h1_server() -> (SocketAddr, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(|_req| async {
+                        Ok::<_, std::convert::Infallible>(http::Response::new(crate::http::full(
+                            "hello",
+                        )))
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    #[tokio::test]
+    async fn an_http1_connection_is_reused_once_its_body_is_read() {
+        use http_body_util::BodyExt;
+        let (addr, accepted) = h1_server().await;
+        let client = EndpointClient::new(addr, None, Connector::plain(Duration::from_secs(5)));
+        for _ in 0..3 {
+            let conn = client.connection(Proto::Http1).await.unwrap();
+            let rsp = conn
+                .send(http::Request::new(crate::http::full("")))
+                .await
+                .unwrap();
+            let body = rsp.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(&body[..], b"hello");
+            // Back in the pool (at once, or by the task that waits for a
+            // connection not ready yet), bounded by the connect timeout.
+            tokio::time::timeout(Duration::from_secs(5), async {
+                while client.h1_idle.lock().unwrap().is_empty() {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+            .await
+            .expect("the connection returns to the pool");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection for all");
+    }
+
     #[tokio::test]
     async fn a_failed_connect_is_not_cached() {
         // Nothing listens here (bound, then closed).
