@@ -111,11 +111,12 @@ impl Outbound {
         if let Some(upgrade) = upgrade {
             upgrade.splice(&mut rsp);
         }
+        let route = route_label.as_deref().unwrap_or("");
         self.metrics.record_routed_response(
             rsp,
             "outbound",
             label,
-            route_label,
+            route,
             start.elapsed(),
             hop,
             tapped,
