@@ -138,11 +138,91 @@ const ROUTES_NOTE: &str = "\
 # Authorization policy (Server v1beta3, AuthorizationPolicy,
 # MeshTLSAuthentication, NetworkAuthentication v1alpha1, HTTPRoute v1beta3)
 # comes from Linkerd's CRDs, group policy.linkerd.io, which this does not
-# install either: `linkerd install --crds | kubectl apply -f -`, or the
-# linkerd-crds Helm chart (2.15 or later). Without them every port gets the
+# install either: `linkerd install --crds | kubectl apply -f -`, the
+# linkerd-crds Helm chart (2.15 or later), or on a cluster without Linkerd
+# `tether install --crds | kubectl apply -f -`. Without them every port gets the
 # namespace's default policy (annotation config.linkerd.io/default-inbound-policy)
 # or --default-inbound-policy; see docs/policy.md.
 ";
+
+/// The `policy.linkerd.io` resources `tether control` watches: kind, plural,
+/// version (crates/control/src/registry/kubernetes.rs, `PolicyCrd`).
+pub const POLICY_CRDS: [(&str, &str, &str); 5] = [
+    ("Server", "servers", "v1beta3"),
+    ("AuthorizationPolicy", "authorizationpolicies", "v1alpha1"),
+    (
+        "MeshTLSAuthentication",
+        "meshtlsauthentications",
+        "v1alpha1",
+    ),
+    (
+        "NetworkAuthentication",
+        "networkauthentications",
+        "v1alpha1",
+    ),
+    ("HTTPRoute", "httproutes", "v1beta3"),
+];
+
+const CRDS_NOTE: &str = "\
+# The policy.linkerd.io CRDs tether control watches (docs/policy.md), for a
+# cluster without Linkerd's: do not apply these over Linkerd's own CRDs
+# (`kubectl get crd servers.policy.linkerd.io` says whether they are there);
+# Tether reads Linkerd's as they are. The schemas accept any spec: tether
+# control validates each resource itself and logs the ones it refuses,
+# naming the field, keeping the last good state.
+";
+
+/// `tether install --crds`: the authorization-policy CRDs, as YAML documents.
+pub fn policy_crds() -> String {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+        CustomResourceDefinition, CustomResourceDefinitionNames, CustomResourceDefinitionSpec,
+        CustomResourceDefinitionVersion, CustomResourceValidation, JSONSchemaProps,
+    };
+    let any_object = || JSONSchemaProps {
+        type_: Some("object".into()),
+        x_kubernetes_preserve_unknown_fields: Some(true),
+        ..Default::default()
+    };
+    let docs: Vec<String> = POLICY_CRDS
+        .iter()
+        .map(|(kind, plural, version)| {
+            let crd = CustomResourceDefinition {
+                metadata: meta(&format!("{plural}.policy.linkerd.io"), None),
+                spec: CustomResourceDefinitionSpec {
+                    group: "policy.linkerd.io".into(),
+                    names: CustomResourceDefinitionNames {
+                        kind: (*kind).into(),
+                        list_kind: Some(format!("{kind}List")),
+                        plural: (*plural).into(),
+                        singular: Some(kind.to_ascii_lowercase()),
+                        ..Default::default()
+                    },
+                    scope: "Namespaced".into(),
+                    versions: vec![CustomResourceDefinitionVersion {
+                        name: (*version).into(),
+                        served: true,
+                        storage: true,
+                        schema: Some(CustomResourceValidation {
+                            open_api_v3_schema: Some(JSONSchemaProps {
+                                type_: Some("object".into()),
+                                properties: Some(BTreeMap::from([
+                                    ("spec".to_string(), any_object()),
+                                    ("status".to_string(), any_object()),
+                                ])),
+                                ..Default::default()
+                            }),
+                        }),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            serde_yaml::to_string(&crd).expect("k8s objects serialize")
+        })
+        .collect();
+    format!("{CRDS_NOTE}{}", docs.join("---\n"))
+}
 
 /// Every manifest of the control plane, as YAML documents.
 pub fn install(o: &InstallOptions) -> anyhow::Result<String> {
@@ -914,6 +994,42 @@ data: {a: b}
             .as_ref()
             .unwrap()
             .contains(&"--inbound-opaque".to_string()));
+    }
+
+    #[test]
+    fn crds_name_every_policy_kind_the_control_plane_watches() {
+        use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+        let all = docs(&policy_crds());
+        assert_eq!(all.len(), POLICY_CRDS.len());
+        for (doc, (kind, plural, version)) in all.into_iter().zip(POLICY_CRDS) {
+            let crd: CustomResourceDefinition = serde_yaml::from_value(doc).unwrap();
+            assert_eq!(
+                crd.metadata.name.as_deref(),
+                Some(format!("{plural}.policy.linkerd.io").as_str())
+            );
+            assert_eq!(crd.spec.group, "policy.linkerd.io");
+            assert_eq!(crd.spec.names.kind, kind);
+            assert_eq!(crd.spec.scope, "Namespaced");
+            let v = &crd.spec.versions[0];
+            assert!(v.name == version && v.served && v.storage, "{kind}");
+            let schema = v
+                .schema
+                .as_ref()
+                .unwrap()
+                .open_api_v3_schema
+                .as_ref()
+                .unwrap();
+            let spec = &schema.properties.as_ref().unwrap()["spec"];
+            assert_eq!(spec.x_kubernetes_preserve_unknown_fields, Some(true));
+            // What kube derives as the plural of the kind the registry
+            // watches: the CRD must be served under that name.
+            let resource = kube::core::ApiResource::from_gvk(&kube::core::GroupVersionKind::gvk(
+                "policy.linkerd.io",
+                version,
+                kind,
+            ));
+            assert_eq!(resource.plural, plural);
+        }
     }
 
     #[test]

@@ -152,8 +152,12 @@ impl DiagnosticsCommand {
 #[derive(clap::Args)]
 pub struct InstallArgs {
     /// The identity directory from `tether identity init` (its trust root and issuer become Secrets).
-    #[arg(long)]
-    identity: PathBuf,
+    #[arg(long, required_unless_present = "crds")]
+    identity: Option<PathBuf>,
+    /// Print only the policy.linkerd.io CRDs the control plane watches, for a
+    /// cluster without Linkerd's (docs/policy.md).
+    #[arg(long, conflicts_with_all = ["identity", "ha"])]
+    crds: bool,
     /// The namespace of the control plane and gateway.
     #[arg(long, default_value = "tether-system")]
     namespace: String,
@@ -173,12 +177,16 @@ impl InstallArgs {
             namespace: self.namespace,
             image: self.image,
             ha: self.ha,
-            identity_dir: self.identity,
+            identity_dir: self.identity.unwrap_or_default(),
             cluster_domain: self.domain.cluster_domain,
         }
     }
 
     pub fn run(self) -> anyhow::Result<()> {
+        if self.crds {
+            print!("{}", tether_ops::kube::policy_crds());
+            return Ok(());
+        }
         print!("{}", tether_ops::kube::install(&self.into_config())?);
         Ok(())
     }
