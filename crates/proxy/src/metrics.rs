@@ -1,6 +1,8 @@
 //! The proxy's metrics: requests by authority and status class, response
 //! latency, open connections.
 
+use std::sync::Arc;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
@@ -8,18 +10,21 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+// The per-request label sets hold shared and static strings: they are
+// built for every response to look its series up, and copying six
+// `String`s each time was the point of none of it.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
-    pub direction: String,
-    pub authority: String,
+    pub direction: &'static str,
+    pub authority: Arc<str>,
     /// The route of the service's outbound policy the request took; empty
     /// without one (inbound, or a service without a policy).
-    pub route: String,
-    pub status_class: String,
+    pub route: Option<Arc<str>>,
+    pub status_class: &'static str,
     /// Whether the hop between proxies was (m)TLS.
-    pub tls: String,
-    /// The peer's verified identity (inbound, over mTLS).
-    pub client_id: String,
+    pub tls: bool,
+    /// The peer's verified identity (inbound, over mTLS); empty without.
+    pub client_id: Option<Arc<str>>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -52,9 +57,10 @@ pub struct Hop {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteLabels {
-    pub direction: String,
-    pub authority: String,
-    pub route: String,
+    pub direction: &'static str,
+    pub authority: Arc<str>,
+    /// Empty without a route (see [`RequestLabels::route`]).
+    pub route: Option<Arc<str>>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -255,20 +261,22 @@ impl ProxyMetrics {
 
     /// Removes the route series of a service no longer followed.
     pub fn forget_routes<'a>(&self, authority: &str, routes: impl Iterator<Item = &'a str>) {
+        let authority: Arc<str> = authority.into();
         for route in routes {
+            let route: Option<Arc<str>> = Some(route.into());
             self.latency.remove(&RouteLabels {
-                direction: "outbound".into(),
-                authority: authority.into(),
-                route: route.into(),
+                direction: "outbound",
+                authority: authority.clone(),
+                route: route.clone(),
             });
-            for (class, tls) in CLASSES.iter().flat_map(|c| [(c, "true"), (c, "false")]) {
+            for (class, tls) in CLASSES.iter().flat_map(|c| [(c, true), (c, false)]) {
                 self.requests.remove(&RequestLabels {
-                    direction: "outbound".into(),
-                    authority: authority.into(),
-                    route: route.into(),
-                    status_class: (*class).into(),
-                    tls: tls.into(),
-                    client_id: String::new(),
+                    direction: "outbound",
+                    authority: authority.clone(),
+                    route: route.clone(),
+                    status_class: class,
+                    tls,
+                    client_id: None,
                 });
             }
         }
@@ -331,7 +339,7 @@ impl ProxyMetrics {
         hop: Hop,
         tapped: Option<crate::tap::TapRequest>,
     ) -> http::Response<crate::http::Body> {
-        self.record_routed_response(rsp, direction, authority, "", latency, hop, tapped)
+        self.record_routed_response(rsp, direction, authority, None, latency, hop, tapped)
     }
 
     /// [`Self::record_tapped_response`] for a request that took `route`
@@ -342,41 +350,43 @@ impl ProxyMetrics {
         rsp: http::Response<crate::http::Body>,
         direction: &'static str,
         authority: String,
-        route: &str,
+        route: Option<Arc<str>>,
         latency: std::time::Duration,
         hop: Hop,
         tapped: Option<crate::tap::TapRequest>,
     ) -> http::Response<crate::http::Body> {
         let tap_end =
             tapped.and_then(|t| t.respond(&self.tap, direction, &authority, rsp.status(), &hop));
+        let route_labels = RouteLabels {
+            direction,
+            authority: authority.into(),
+            route,
+        };
         self.latency
-            .get_or_create(&RouteLabels {
-                direction: direction.into(),
-                authority: authority.clone(),
-                route: route.into(),
-            })
+            .get_or_create(&route_labels)
             .observe(latency.as_secs_f64());
-        let metrics = self.clone();
-        let route = route.to_string();
+        let requests = self.requests.clone();
+        let Hop { tls, client_id, .. } = hop;
         crate::classify::classify(rsp, move |class| {
-            metrics.count(direction, &authority, &route, class, &hop);
+            let RouteLabels {
+                direction,
+                authority,
+                route,
+            } = route_labels;
+            requests
+                .get_or_create(&RequestLabels {
+                    direction,
+                    authority,
+                    route,
+                    status_class: class,
+                    tls,
+                    client_id: client_id.filter(|id| !id.is_empty()),
+                })
+                .inc();
             if let Some(end) = tap_end {
                 end.finish(class);
             }
         })
-    }
-
-    fn count(&self, direction: &str, authority: &str, route: &str, class: &str, hop: &Hop) {
-        self.requests
-            .get_or_create(&RequestLabels {
-                direction: direction.into(),
-                authority: authority.into(),
-                route: route.into(),
-                status_class: class.into(),
-                tls: hop.tls.to_string(),
-                client_id: hop.client_id.as_deref().unwrap_or("").into(),
-            })
-            .inc();
     }
 
     /// Counts a connection as open until the returned guard drops.
@@ -426,7 +436,7 @@ mod tests {
                 rsp,
                 "outbound",
                 authority.into(),
-                route,
+                Some(route.into()),
                 std::time::Duration::from_millis(1),
                 hop,
                 None,

@@ -111,12 +111,11 @@ impl Outbound {
         if let Some(upgrade) = upgrade {
             upgrade.splice(&mut rsp);
         }
-        let route = route_label.as_deref().unwrap_or("");
         self.metrics.record_routed_response(
             rsp,
             "outbound",
             label,
-            route,
+            route_label,
             start.elapsed(),
             hop,
             tapped,
