@@ -357,10 +357,13 @@ impl ProxyMetrics {
     ) -> http::Response<crate::http::Body> {
         let tap_end =
             tapped.and_then(|t| t.respond(&self.tap, direction, &authority, rsp.status(), &hop));
+        // A default route has an empty name: it must be the same series as
+        // no route, or the exposition would list two series with the same
+        // labels (and Prometheus rejects the whole scrape).
         let route_labels = RouteLabels {
             direction,
             authority: authority.into(),
-            route,
+            route: route.filter(|r| !r.is_empty()),
         };
         self.latency
             .get_or_create(&route_labels)
@@ -421,6 +424,30 @@ mod tests {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         text
+    }
+
+    #[tokio::test]
+    async fn an_unnamed_route_is_the_same_series_as_no_route() {
+        let metrics = ProxyMetrics::default();
+        for route in [None, Some("".into())] {
+            let rsp = metrics.record_routed_response(
+                http::Response::new(crate::http::full("ok")),
+                "outbound",
+                "web:80".into(),
+                route,
+                std::time::Duration::from_millis(1),
+                Hop::default(),
+                None,
+            );
+            rsp.into_body().collect().await.unwrap();
+        }
+        let text = text(&metrics);
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("tether_proxy_requests_total{"))
+            .collect();
+        assert_eq!(series.len(), 1, "{text}");
+        assert!(series[0].ends_with(" 2"), "{text}");
     }
 
     #[tokio::test]
