@@ -96,6 +96,16 @@ fn stat_names_a_missing_state_file() {
     );
 }
 
+/// A child process killed (and reaped) when dropped.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// An instant query against Prometheus's HTTP API.
 fn promql(addr: SocketAddr, query: &str) -> serde_json::Value {
     use std::io::{Read, Write};
@@ -140,7 +150,7 @@ fn stat_asks_a_real_prometheus() {
     let config_path = dir.path().join("prometheus.yml");
     std::fs::write(&config_path, config).unwrap();
     let addr = free_port();
-    let mut server = Command::new(prometheus)
+    let server = Command::new(prometheus)
         .arg(format!("--config.file={}", config_path.display()))
         .arg(format!(
             "--storage.tsdb.path={}",
@@ -151,6 +161,9 @@ fn stat_asks_a_real_prometheus() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    // Killed however the test ends: a failed assertion left Prometheus
+    // running.
+    let server = KillOnDrop(server);
     let wait = |what: &str, check: &dyn Fn() -> bool| {
         // Bounded by many scrape intervals (1 s) and file_sd refreshes.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
@@ -185,8 +198,7 @@ fn stat_asks_a_real_prometheus() {
 
     let url = format!("http://{addr}");
     let (ok, out) = run_tether(&["stat", "--prometheus", &url, "--window", "60", "-o", "json"]);
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
     assert!(ok, "{out}");
     let rows: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
     let web = rows
