@@ -301,12 +301,12 @@ pub struct SentState {
 }
 
 /// What changed between two endpoint sets: the addresses gone, and the
-/// endpoints new or changed. One ordered walk of both (they are sorted by
-/// address), and none at all when they are the same set.
+/// addresses of endpoints new or changed. One ordered walk of both (they
+/// are sorted by address), and none at all when they are the same set.
 fn changes(
     old: &Arc<BTreeMap<SocketAddr, EndpointMeta>>,
     new: &Arc<BTreeMap<SocketAddr, EndpointMeta>>,
-) -> (Vec<SocketAddr>, Vec<(SocketAddr, EndpointMeta)>) {
+) -> (Vec<SocketAddr>, Vec<SocketAddr>) {
     let (mut removed, mut added) = (Vec::new(), Vec::new());
     if Arc::ptr_eq(old, new) {
         return (removed, added);
@@ -319,8 +319,8 @@ fn changes(
                 removed.push(**a);
                 o.next();
             }
-            (None, Some((a, m))) => {
-                added.push((**a, (*m).clone()));
+            (None, Some((a, _))) => {
+                added.push(**a);
                 n.next();
             }
             (Some((oa, om)), Some((na, nm))) => match oa.cmp(na) {
@@ -329,12 +329,12 @@ fn changes(
                     o.next();
                 }
                 std::cmp::Ordering::Greater => {
-                    added.push((**na, (*nm).clone()));
+                    added.push(**na);
                     n.next();
                 }
                 std::cmp::Ordering::Equal => {
                     if om != nm {
-                        added.push((**na, (*nm).clone()));
+                        added.push(**na);
                     }
                     o.next();
                     n.next();
@@ -345,37 +345,109 @@ fn changes(
     (removed, added)
 }
 
+/// The updates that take one subscriber to a new state, built one at a
+/// time as they are sent: a subscriber that joins a service of 100,000
+/// endpoints holds one `Add` of at most [`MAX_UPDATE_BYTES`] at a time, not
+/// the whole set at once. `Add`s come first, then `Remove`s, then
+/// `NoEndpoints`.
+pub struct Updates {
+    endpoints: Arc<BTreeMap<SocketAddr, EndpointMeta>>,
+    added: std::iter::Peekable<std::vec::IntoIter<SocketAddr>>,
+    metric_labels: HashMap<String, String>,
+    /// Room for addresses in one `Add`.
+    budget: usize,
+    removes: std::vec::IntoIter<Update>,
+    no_endpoints: Option<Update>,
+    service: SlotKey,
+    oversized: usize,
+    first_oversized: Option<SocketAddr>,
+}
+
+impl Updates {
+    /// Whether there is anything to send.
+    pub fn is_empty(&self) -> bool {
+        self.added.len() == 0 && self.removes.len() == 0 && self.no_endpoints.is_none()
+    }
+
+    fn next_add(&mut self) -> Option<Update> {
+        let mut batch = Vec::new();
+        let mut bytes = 0;
+        while let Some(&a) = self.added.peek() {
+            let meta = &self.endpoints[&a];
+            let wa = weighted_addr(a, meta);
+            let len = prost::encoding::message::encoded_len(1, &wa);
+            if len > self.budget {
+                // Recorded as sent all the same: re-sending would fail the
+                // same way.
+                self.oversized += 1;
+                self.first_oversized.get_or_insert(a);
+                self.added.next();
+                continue;
+            }
+            if bytes + len > self.budget {
+                break;
+            }
+            bytes += len;
+            batch.push(wa);
+            self.added.next();
+        }
+        if batch.is_empty() {
+            return None;
+        }
+        Some(Update {
+            update: Some(update::Update::Add(WeightedAddrSet {
+                addrs: batch,
+                metric_labels: self.metric_labels.clone(),
+            })),
+        })
+    }
+}
+
+impl Iterator for Updates {
+    type Item = Update;
+
+    fn next(&mut self) -> Option<Update> {
+        if let Some(add) = self.next_add() {
+            return Some(add);
+        }
+        if let Some(first) = self.first_oversized.take() {
+            tracing::warn!(
+                service = %self.service,
+                endpoints = self.oversized,
+                ?first,
+                limit = MAX_UPDATE_BYTES,
+                "endpoints left out of discovery: each one's description alone exceeds the update size limit"
+            );
+        }
+        self.removes.next().or_else(|| self.no_endpoints.take())
+    }
+}
+
 impl SentState {
     /// The updates that take this subscriber from what it was sent to
     /// `snap`, and records them as sent. Large sets are split into several
     /// `Remove`s and `Add`s, each at most [`MAX_UPDATE_BYTES`] encoded.
-    pub fn diff(&mut self, snap: &PortSnapshot, service: &SlotKey) -> Vec<Update> {
-        let mut out = Vec::new();
-        let (removed, added) = changes(&self.endpoints, &snap.endpoints);
+    pub fn updates(&mut self, snap: &PortSnapshot, service: &SlotKey) -> Updates {
+        let (removed, mut added) = changes(&self.endpoints, &snap.endpoints);
         self.endpoints = snap.endpoints.clone();
         let removed = removed.into_iter().map(TcpAddress::from).collect();
-        // Adds go first, Removes after: a client that publishes what it has
-        // between two messages never sees a set emptied by a replacement.
         let (removes, _) = batched(removed, |addrs| {
             update::Update::Remove(api::AddrSet { addrs })
         });
+        let mut no_endpoints = None;
         if snap.endpoints.is_empty() {
-            out.extend(removes);
+            added.clear();
             if self.no_endpoints != Some(snap.exists) {
                 self.no_endpoints = Some(snap.exists);
-                out.push(Update {
+                no_endpoints = Some(Update {
                     update: Some(update::Update::NoEndpoints(api::NoEndpoints {
                         exists: snap.exists,
                     })),
                 });
             }
-            return out;
+        } else {
+            self.no_endpoints = None;
         }
-        self.no_endpoints = None;
-        let added = added
-            .into_iter()
-            .map(|(a, m)| weighted_addr(a, &m))
-            .collect();
         let metric_labels = match service {
             SlotKey::Service(k) => HashMap::from([
                 ("service".to_string(), k.name.clone()),
@@ -384,25 +456,27 @@ impl SentState {
             SlotKey::Global(g) => HashMap::from([("global_id".to_string(), g.clone())]),
             SlotKey::Endpoint(_) => HashMap::new(),
         };
-        let (batches, oversized) = batched(added, |addrs| {
-            update::Update::Add(WeightedAddrSet {
-                addrs,
-                metric_labels: metric_labels.clone(),
-            })
-        });
-        out.extend(batches);
-        out.extend(removes);
-        if let Some(first) = oversized.first() {
-            // Recorded as sent all the same: re-sending would fail the same way.
-            tracing::warn!(
-                %service,
-                endpoints = oversized.len(),
-                first = ?first.addr,
-                limit = MAX_UPDATE_BYTES,
-                "endpoints left out of discovery: each one's description alone exceeds the update size limit"
-            );
+        let budget = update_budget(update::Update::Add(WeightedAddrSet {
+            addrs: Vec::new(),
+            metric_labels: metric_labels.clone(),
+        }));
+        Updates {
+            endpoints: snap.endpoints.clone(),
+            added: added.into_iter().peekable(),
+            metric_labels,
+            budget,
+            removes: removes.into_iter(),
+            no_endpoints,
+            service: service.clone(),
+            oversized: 0,
+            first_oversized: None,
         }
-        out
+    }
+
+    /// [`SentState::updates`], all at once.
+    #[cfg(test)]
+    pub fn diff(&mut self, snap: &PortSnapshot, service: &SlotKey) -> Vec<Update> {
+        self.updates(snap, service).collect()
     }
 
     /// Whether this subscriber's view equals `snap`.
@@ -420,12 +494,7 @@ fn batched<M: prost::Message>(
     items: Vec<M>,
     wrap: impl Fn(Vec<M>) -> update::Update,
 ) -> (Vec<Update>, Vec<M>) {
-    // The update around an empty set, plus the room its length prefixes may
-    // grow by once the set is full.
-    let overhead = prost::Message::encoded_len(&Update {
-        update: Some(wrap(Vec::new())),
-    }) + 2 * (prost::length_delimiter_len(MAX_UPDATE_BYTES) - 1);
-    let budget = MAX_UPDATE_BYTES.saturating_sub(overhead);
+    let budget = update_budget(wrap(Vec::new()));
     let (mut out, mut oversized) = (Vec::new(), Vec::new());
     let (mut batch, mut bytes) = (Vec::new(), 0);
     for item in items {
@@ -451,6 +520,16 @@ fn batched<M: prost::Message>(
         })
         .collect();
     (updates, oversized)
+}
+
+/// The room for items in an update whose empty form is `empty`: the limit
+/// less the update around an empty set and the room its length prefixes
+/// may grow by once the set is full.
+fn update_budget(empty: update::Update) -> usize {
+    let overhead = prost::Message::encoded_len(&Update {
+        update: Some(empty),
+    }) + 2 * (prost::length_delimiter_len(MAX_UPDATE_BYTES) - 1);
+    MAX_UPDATE_BYTES.saturating_sub(overhead)
 }
 
 /// The wire form of one endpoint.
@@ -538,7 +617,7 @@ async fn feed(
         let published = slot.borrow_and_update().clone();
         let updates = {
             let mut state = sub.state.lock().unwrap();
-            let updates = state.sent.diff(published.view(sub.tiers), &sub.service);
+            let updates = state.sent.updates(published.view(sub.tiers), &sub.service);
             state.version = published.version;
             state.sending = !updates.is_empty();
             updates
@@ -964,10 +1043,10 @@ mod tests {
                 .filter(|a| !new.contains_key(a))
                 .copied()
                 .collect();
-            let want_added: Vec<(SocketAddr, EndpointMeta)> = new
+            let want_added: Vec<SocketAddr> = new
                 .iter()
                 .filter(|(a, m)| old.get(a) != Some(m))
-                .map(|(a, m)| (*a, m.clone()))
+                .map(|(a, _)| *a)
                 .collect();
             assert_eq!(removed, want_removed, "{old:?} -> {new:?}");
             assert_eq!(added, want_added, "{old:?} -> {new:?}");
