@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Discovery under churn: registry change → subscriber latency, control-plane
 # RSS/CPU, memory per subscriber. Arguments go to the harness:
-#   --endpoints N (≤100000) --services S --subscribers M (≤20000) --churn R (≤500/s) --seconds T
+#   --endpoints N (≤100000) --services S --subscribers M (≤20000) --churn R (≤500/s)
+#   --seconds T --settle T (time to converge after the churn)
+#   --baseline OLD-TETHER (run the same load on an older binary first; prints NEW/OLD)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p tether -p tether-bench

@@ -10,8 +10,14 @@
 //! [`ENDPOINTS_PER_FILE`] (Endpoints documents add up), so a service of
 //! 100,000 endpoints is 20 files and a change rewrites one of them.
 //!
+//! With `--baseline OLD`, the same run is made first with the `tether`
+//! binary OLD, then with the one under test, and the figures are printed
+//! side by side with their ratio (new / old): the machine's load shifts
+//! between days, a ratio within one run does not.
+//!
 //! Usage: bench/discovery.sh [--endpoints N] [--services S] [--subscribers M]
-//!                           [--churn R] [--seconds T]
+//!                           [--churn R] [--seconds T] [--settle T]
+//!                           [--baseline OLD-TETHER]
 
 #![forbid(unsafe_code)]
 
@@ -29,29 +35,36 @@ use tether_mesh_up::up::write_document;
 
 struct Args {
     tether: PathBuf,
+    baseline: Option<PathBuf>,
     load: PathBuf,
     endpoints: usize,
     services: usize,
     subscribers: usize,
     churn: f64,
     seconds: f64,
+    /// How long subscribers get after the churn ends to converge.
+    settle: f64,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
     let mut a = Args {
         tether: "target/release/tether".into(),
+        baseline: None,
         load: "target/release/discovery-load".into(),
         endpoints: 10_000,
         services: 100,
         subscribers: 5_000,
         churn: 500.0,
         seconds: 10.0,
+        settle: 2.0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let v = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--tether" => a.tether = v.into(),
+            "--baseline" => a.baseline = Some(v.into()),
+            "--settle" => a.settle = v.parse()?,
             "--load" => a.load = v.into(),
             "--endpoints" => a.endpoints = v.parse()?,
             "--services" => a.services = v.parse()?,
@@ -80,6 +93,10 @@ fn parse_args() -> anyhow::Result<Args> {
     anyhow::ensure!(
         a.seconds > 0.0 && a.seconds <= 120.0,
         "--seconds must be in (0, 120]"
+    );
+    anyhow::ensure!(
+        a.settle > 0.0 && a.settle <= 120.0,
+        "--settle must be in (0, 120]"
     );
     Ok(a)
 }
@@ -131,10 +148,74 @@ fn now_stamp() -> String {
     )
 }
 
+/// A figure of the comparison table: its name, and how to read it.
+type Figure = (&'static str, fn(&Outcome) -> f64);
+
+/// What one run measured.
+#[derive(Default)]
+struct Outcome {
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+    server_p99_ms: f64,
+    subscribe_s: f64,
+    converged: u64,
+    cpu_per_change_ms: f64,
+    load_cpu_s: f64,
+    rss_subscribed_mib: f64,
+    rss_closed_mib: f64,
+    rss_peak_mib: f64,
+    per_subscriber_bytes: f64,
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
-    let dir = std::env::temp_dir().join(format!("tether-bench-discovery-{}", std::process::id()));
+    println!(
+        "discovery benchmark: {} endpoints in {} services, {} subscribers, {} changes/s for {}s",
+        (args.endpoints / args.services).max(1) * args.services,
+        args.services,
+        args.subscribers,
+        args.churn,
+        args.seconds
+    );
+    let Some(baseline) = args.baseline.clone() else {
+        run(&args, &args.tether).await?;
+        return Ok(());
+    };
+    println!("\n=== OLD: {}", baseline.display());
+    let old = run(&args, &baseline).await?;
+    println!("\n=== NEW: {}", args.tether.display());
+    let new = run(&args, &args.tether).await?;
+    println!("\nsame run, NEW / OLD (below 1 is better, except converged):");
+    let rows: [Figure; 12] = [
+        ("p50 ms", |o| o.p50_ms),
+        ("p99 ms", |o| o.p99_ms),
+        ("max ms", |o| o.max_ms),
+        ("in control plane p99 ms", |o| o.server_p99_ms),
+        ("subscribe s", |o| o.subscribe_s),
+        ("converged subscribers", |o| o.converged as f64),
+        ("control-plane CPU ms per change", |o| o.cpu_per_change_ms),
+        ("subscriber-process CPU s", |o| o.load_cpu_s),
+        ("RSS with subscribers MiB", |o| o.rss_subscribed_mib),
+        ("RSS after streams closed MiB", |o| o.rss_closed_mib),
+        ("peak RSS MiB", |o| o.rss_peak_mib),
+        ("bytes per subscriber", |o| o.per_subscriber_bytes),
+    ];
+    println!("| figure | OLD | NEW | NEW/OLD |\n| --- | --- | --- | --- |");
+    for (name, f) in rows {
+        let (o, n) = (f(&old), f(&new));
+        println!("| {name} | {o:.2} | {n:.2} | {:.2} |", n / o);
+    }
+    Ok(())
+}
+
+async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
+    let dir = std::env::temp_dir().join(format!(
+        "tether-bench-discovery-{}-{}",
+        std::process::id(),
+        now_stamp()
+    ));
     let registry = dir.join("registry");
     std::fs::create_dir_all(&registry)?;
     let per_service = args.endpoints / args.services;
@@ -168,7 +249,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let s = |v: &str| v.to_string();
     let control = Process::spawn(
-        &args.tether,
+        tether,
         "control",
         &[
             s("control"),
@@ -185,18 +266,10 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
     let pid = control.pid().context("control pid")?;
-    tether_bench::wait_ready(control.addr("admin"), Duration::from_secs(30)).await?;
+    tether_bench::wait_ready(control.addr("admin"), Duration::from_secs(60)).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_loaded = tether_bench::proc_usage(pid).rss_kib;
 
-    println!(
-        "discovery benchmark: {} endpoints in {} services, {} subscribers, {} changes/s for {}s",
-        per_service * args.services,
-        args.services,
-        args.subscribers,
-        args.churn,
-        args.seconds
-    );
     let authorities: Vec<String> = services
         .iter()
         .map(|svc| format!("{}.bench.svc.cluster.local:80", svc.name))
@@ -205,11 +278,12 @@ async fn main() -> anyhow::Result<()> {
     let mut load = Command::new(&args.load)
         .arg(control.addr("grpc").to_string())
         .arg(args.subscribers.to_string())
-        .arg((args.seconds + 2.0).to_string())
+        .arg((args.seconds + args.settle).to_string())
         .args(&authorities)
         .stdout(Stdio::piped())
         .spawn()
         .context("starting discovery-load")?;
+    let load_pid = load.id();
     let stdout = load.stdout.take().context("load stdout")?;
     let (line_tx, line_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -223,7 +297,7 @@ async fn main() -> anyhow::Result<()> {
         }
     });
     let first = line_rx
-        .recv_timeout(Duration::from_secs(90))
+        .recv_timeout(Duration::from_secs(120))
         .context("subscribers never all answered")?;
     anyhow::ensure!(
         first == "subscribed",
@@ -233,6 +307,7 @@ async fn main() -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let subscribed = tether_bench::proc_usage(pid);
     let (cpu_before, rss_subscribed) = (subscribed.cpu_seconds, subscribed.rss_kib);
+    let load_cpu_before = tether_bench::proc_usage(load_pid).cpu_seconds;
 
     // Churn: each change replaces one endpoint of one service.
     let interval = Duration::from_secs_f64(1.0 / args.churn);
@@ -266,11 +341,15 @@ async fn main() -> anyhow::Result<()> {
         .sum();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let end = tether_bench::proc_usage(pid);
-    let (cpu_after, rss_end, rss_peak) = (end.cpu_seconds, end.rss_kib, end.peak_rss_kib);
+    let (cpu_after, rss_end) = (end.cpu_seconds, end.rss_kib);
+    let load_cpu_after = tether_bench::proc_usage(load_pid).cpu_seconds;
     let summary = line_rx
-        .recv_timeout(Duration::from_secs(30))
+        .recv_timeout(Duration::from_secs_f64(args.settle + 60.0))
         .context("no summary from discovery-load")?;
     let _ = load.wait();
+    // Every stream is closed now: what the control plane gives back.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let closed = tether_bench::proc_usage(pid);
     let report: serde_json::Value = serde_json::from_str(&summary)?;
     let server_side = tether_mesh_up::stats::http_get(control.addr("admin"), "/metrics")
         .await?
@@ -291,7 +370,7 @@ async fn main() -> anyhow::Result<()> {
 
     let f = |k: &str| report[k].as_f64().unwrap_or(f64::NAN);
     println!(
-        "\nchanges written: {changes} in {:.1}s ({:.0}/s)",
+        "changes written: {changes} in {:.1}s ({:.0}/s)",
         churn_elapsed.as_secs_f64(),
         changes as f64 / churn_elapsed.as_secs_f64()
     );
@@ -310,7 +389,8 @@ async fn main() -> anyhow::Result<()> {
             .unwrap_or(0);
     }
     println!(
-        "subscribers whose final view matches the registry: {converged} of {} ({} diverged)",
+        "subscribers whose final view matches the registry {:.0}s after the churn: {converged} of {} ({} diverged)",
+        args.settle,
         args.subscribers,
         args.subscribers as u64 - converged
     );
@@ -321,7 +401,7 @@ async fn main() -> anyhow::Result<()> {
         f("max_ms")
     );
     println!(
-        "  of which inside the control plane (change observed → update sent): p50 {:.2} ms, p99 {:.2} ms",
+        "  of which inside the control plane (change observed → update taken by the stream): p50 {:.2} ms, p99 {:.2} ms",
         server_q(0.5),
         server_q(0.99)
     );
@@ -330,25 +410,40 @@ async fn main() -> anyhow::Result<()> {
         args.subscribers,
         subscribe_time.as_secs_f64()
     );
+    let mib = |kib: u64| kib as f64 / 1024.0;
     println!(
-        "control plane RSS: {:.1} MiB after loading the registry, {:.1} MiB with subscribers, {:.1} MiB at the end, peak {:.1} MiB",
-        rss_loaded as f64 / 1024.0,
-        rss_subscribed as f64 / 1024.0,
-        rss_end as f64 / 1024.0,
-        rss_peak as f64 / 1024.0
+        "control plane RSS: {:.1} MiB after loading the registry, {:.1} MiB with subscribers, {:.1} MiB at the end, {:.1} MiB after the streams closed, peak {:.1} MiB",
+        mib(rss_loaded),
+        mib(rss_subscribed),
+        mib(rss_end),
+        mib(closed.rss_kib),
+        mib(closed.peak_rss_kib)
     );
+    let per_subscriber =
+        (rss_subscribed.saturating_sub(rss_loaded) as f64 * 1024.0) / args.subscribers as f64;
+    println!("memory per subscriber: {per_subscriber:.0} bytes");
+    let cpu_per_change = (cpu_after - cpu_before) * 1000.0 / changes.max(1) as f64;
     println!(
-        "memory per subscriber: {:.0} bytes",
-        (rss_subscribed.saturating_sub(rss_loaded) as f64 * 1024.0) / args.subscribers as f64
-    );
-    println!(
-        "control plane CPU during churn: {:.2} s over {:.1} s ({:.2} ms per change); the writer spent {:.2} s writing files",
+        "control plane CPU during churn: {:.2} s over {:.1} s ({cpu_per_change:.2} ms per change); the subscriber process used {:.2} s; the writer spent {:.2} s writing files",
         cpu_after - cpu_before,
         churn_elapsed.as_secs_f64(),
-        (cpu_after - cpu_before) * 1000.0 / changes.max(1) as f64,
+        load_cpu_after - load_cpu_before,
         write_time.as_secs_f64()
     );
     drop(control);
     let _ = std::fs::remove_dir_all(&dir);
-    Ok(())
+    Ok(Outcome {
+        p50_ms: f("p50_ms"),
+        p99_ms: f("p99_ms"),
+        max_ms: f("max_ms"),
+        server_p99_ms: server_q(0.99),
+        subscribe_s: subscribe_time.as_secs_f64(),
+        converged,
+        cpu_per_change_ms: cpu_per_change,
+        load_cpu_s: load_cpu_after - load_cpu_before,
+        rss_subscribed_mib: mib(rss_subscribed),
+        rss_closed_mib: mib(closed.rss_kib),
+        rss_peak_mib: mib(closed.peak_rss_kib),
+        per_subscriber_bytes: per_subscriber,
+    })
 }

@@ -1,11 +1,19 @@
 //! `io.linkerd.proxy.destination.Destination`: endpoint discovery streams.
 //!
-//! Each `Get` gets its own task. The task reads the latest state of its
-//! (service, port) slot and sends the diff between what it last sent and that
-//! state ([`SentState::diff`]); while it is blocked sending to a slow client,
-//! newer states simply replace older ones in the slot. When it catches up it
-//! sends one diff to the current state, never a backlog. The outgoing channel
-//! per subscriber is small and bounded.
+//! Each `Get` is a stream that pulls its next update when its client can
+//! take one: it reads the latest state of its (service, port) slot and sends
+//! the diff between what it last sent and that state ([`SentState::diff`]);
+//! while its client is slow, newer states simply replace older ones in the
+//! slot, and when it catches up it sends one diff to the current state,
+//! never a backlog. Nothing is queued per subscriber: it holds the update
+//! being written and a reference to the rest.
+//!
+//! Updates are encoded once per published state and step, not once per
+//! subscriber ([`SharedUpdates`]): subscribers of a slot mostly make the
+//! same step (from the previous state, or from nothing when they join), and
+//! the bytes depend only on that step and on whether the client reads tiers,
+//! never on anything else in its request. [`DestinationGrpc`] passes those
+//! bytes to the wire as they are.
 //!
 //! Every live subscription is also registered in [`Subscriptions`], with
 //! what it was last sent and from which slot version. The audit
@@ -15,30 +23,30 @@
 //! are repaired (the slot republished, the subscription woken to send the
 //! correcting diff) and counted.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures::{Stream, StreamExt};
+use linkerd2_proxy_api::destination::destination_server::{self, Destination, DestinationServer};
 use linkerd2_proxy_api::destination::{
-    self as api, destination_server::Destination, protocol_hint, tls_identity, update,
-    DestinationProfile, GetDestination, ProtocolHint, TlsIdentity, Update, WeightedAddr,
-    WeightedAddrSet,
+    self as api, protocol_hint, tls_identity, update, DestinationProfile, GetDestination,
+    ProtocolHint, TlsIdentity, Update, WeightedAddr, WeightedAddrSet,
 };
 use linkerd2_proxy_api::net::TcpAddress;
+use prost::bytes::Bytes;
+use prost::Message;
 use tether_admin::Shutdown;
 use tether_core::authority::{parse_service_authority, split_host_port, ServiceKey};
 use tokio::sync::{mpsc, Notify};
 use tonic::{Request, Response, Status};
 
-use crate::index::{shrink_map, EndpointMeta, Index, PortSnapshot, SlotKey, SlotReceiver};
+use crate::index::{
+    shrink_map, EndpointMeta, Index, PortSnapshot, Published, SlotKey, SlotReceiver,
+};
 use crate::metrics::{ControlMetrics, ServiceLabels};
-
-/// Updates buffered per subscriber before its task waits (on that
-/// subscriber alone).
-const SUBSCRIBER_BUFFER: usize = 4;
 
 /// The most one `Destination.Get` update may take, encoded. A large endpoint
 /// set goes out as several `Add`s (and `Remove`s) of at most this size: a
@@ -588,59 +596,158 @@ pub fn weighted_addr(addr: SocketAddr, meta: &EndpointMeta) -> WeightedAddr {
     }
 }
 
-/// Feeds one subscriber until it goes away or the control plane shuts
-/// down, then gives back everything the subscription held: its registry
-/// entry and, when it was the slot's last watcher, the slot.
-async fn serve_subscription(
+// === impl SharedUpdates ===
+
+/// The encoded updates that take a subscriber from one sent state to a
+/// published one.
+pub struct Step {
+    from: SentState,
+    /// Whether the step is to every tier of the state (not only its best).
+    all_tiers: bool,
+    to: SentState,
+    updates: Vec<Bytes>,
+}
+
+/// The steps already encoded towards one published state, shared by every
+/// subscriber that makes the same one: at most [`SHARED_STEPS`], the most
+/// recent, since nearly every subscriber of a slot steps from the previous
+/// state (or from nothing, when it joins).
+#[derive(Default)]
+pub struct SharedUpdates {
+    steps: Mutex<VecDeque<Arc<Step>>>,
+}
+
+const SHARED_STEPS: usize = 4;
+
+impl Clone for SharedUpdates {
+    /// A copy of a published state starts with no steps of its own.
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl std::fmt::Debug for SharedUpdates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let steps = self.steps.lock().unwrap().len();
+        f.debug_struct("SharedUpdates")
+            .field("steps", &steps)
+            .finish()
+    }
+}
+
+impl SentState {
+    /// Whether a subscriber told `self` was told exactly `other`: the same
+    /// shared endpoint set (or both none), the same `NoEndpoints`.
+    fn same_as(&self, other: &SentState) -> bool {
+        self.no_endpoints == other.no_endpoints
+            && (Arc::ptr_eq(&self.endpoints, &other.endpoints)
+                || (self.endpoints.is_empty() && other.endpoints.is_empty()))
+    }
+}
+
+/// The step from `from` to what `published` shows a subscriber (every tier
+/// or the best), encoded once: taken from the steps other subscribers
+/// already made, or encoded and kept for the next ones. Encoded outside the
+/// lock, so a large first step holds up nobody (two subscribers may then
+/// both encode it; both results are the same).
+fn step_to(published: &Published, from: &SentState, tiers: bool, service: &SlotKey) -> Arc<Step> {
+    let view = published.view(tiers);
+    let all_tiers = std::ptr::eq(view, &published.snap);
+    let shared = &published.shared.steps;
+    let found = shared
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|s| s.all_tiers == all_tiers && s.from.same_as(from))
+        .cloned();
+    if let Some(step) = found {
+        return step;
+    }
+    let mut to = from.clone();
+    let updates = to
+        .updates(view, service)
+        .map(|u| Bytes::from(u.encode_to_vec()))
+        .collect();
+    let step = Arc::new(Step {
+        from: from.clone(),
+        all_tiers,
+        to,
+        updates,
+    });
+    let mut steps = shared.lock().unwrap();
+    if steps.len() == SHARED_STEPS {
+        steps.pop_front();
+    }
+    steps.push_back(step.clone());
+    step
+}
+
+/// One subscriber's stream: it takes its next update when its client can
+/// take one. On the way out (client gone, or the control plane shutting
+/// down) it gives back everything the subscription held: its slot, when it
+/// was the slot's last watcher, then its registry entry.
+struct Feed {
     sub: Arc<Subscription>,
-    mut slot: SlotReceiver,
-    tx: mpsc::Sender<Result<Update, Status>>,
+    slot: Option<SlotReceiver>,
     index: Index,
     metrics: ControlMetrics,
     shutdown: Shutdown,
-    registered: Registered,
-) {
-    feed(&sub, &mut slot, &tx, &metrics, &shutdown).await;
-    drop(slot);
-    index.release(&sub.service, sub.port);
-    drop(registered);
+    /// The step being sent, and how many of its updates went out.
+    step: Option<(Arc<Published>, Arc<Step>, usize)>,
+    _registered: Registered,
 }
 
-async fn feed(
-    sub: &Subscription,
-    slot: &mut SlotReceiver,
-    tx: &mpsc::Sender<Result<Update, Status>>,
-    metrics: &ControlMetrics,
-    shutdown: &Shutdown,
-) {
-    loop {
-        let published = slot.borrow_and_update().clone();
-        let updates = {
-            let mut state = sub.state.lock().unwrap();
-            let updates = state.sent.updates(published.view(sub.tiers), &sub.service);
-            state.version = published.version;
-            state.sending = !updates.is_empty();
-            updates
-        };
-        for update in updates {
-            tokio::select! {
-                res = tx.send(Ok(update)) => if res.is_err() { return },
-                _ = shutdown.triggered() => return,
+impl Drop for Feed {
+    fn drop(&mut self) {
+        drop(self.slot.take());
+        self.index.release(&self.sub.service, self.sub.port);
+    }
+}
+
+impl Feed {
+    async fn next(&mut self) -> Option<Bytes> {
+        loop {
+            if self.shutdown.is_triggered() {
+                return None;
             }
-            metrics.updates_sent.inc();
-            if published.version > 0 {
-                metrics
-                    .update_latency
-                    .observe(published.observed_at.elapsed().as_secs_f64());
+            if let Some((published, step, sent)) = &mut self.step {
+                if let Some(update) = step.updates.get(*sent) {
+                    *sent += 1;
+                    self.metrics.updates_sent.inc();
+                    if published.version > 0 {
+                        self.metrics
+                            .update_latency
+                            .observe(published.observed_at.elapsed().as_secs_f64());
+                    }
+                    return Some(update.clone());
+                }
+                self.step = None;
+                self.sub.state.lock().unwrap().sending = false;
+                let slot = self.slot.as_mut()?;
+                tokio::select! {
+                    changed = slot.changed() => if changed.is_err() { return None },
+                    _ = self.sub.repair.notified() => {}
+                    _ = self.shutdown.triggered() => return None,
+                }
             }
+            let published = self.slot.as_mut()?.borrow_and_update().clone();
+            let from = self.sub.state.lock().unwrap().sent.clone();
+            let step = step_to(&published, &from, self.sub.tiers, &self.sub.service);
+            {
+                let mut state = self.sub.state.lock().unwrap();
+                state.sent = step.to.clone();
+                state.version = published.version;
+                state.sending = !step.updates.is_empty();
+            }
+            self.step = Some((published, step, 0));
         }
-        sub.state.lock().unwrap().sending = false;
-        tokio::select! {
-            changed = slot.changed() => if changed.is_err() { return },
-            _ = sub.repair.notified() => {}
-            _ = tx.closed() => return,
-            _ = shutdown.triggered() => return,
-        }
+    }
+
+    fn into_stream(self) -> BoxStream<Bytes> {
+        Box::pin(futures::stream::unfold(self, |mut feed| async move {
+            let update = feed.next().await?;
+            Some((Ok(update), feed))
+        }))
     }
 }
 
@@ -665,8 +772,8 @@ pub fn one_then_hold<T: Send + 'static>(item: T, shutdown: Shutdown) -> BoxStrea
 }
 
 impl DestinationService {
-    /// Starts a subscription's sender task; updates arrive on the receiver
-    /// (or, past the subscription limit, the refusal does).
+    /// Subscribes in process (tests, tools): updates arrive decoded on the
+    /// receiver (or, past the subscription limit, the refusal does).
     pub fn subscribe(
         &self,
         service: impl Into<SlotKey>,
@@ -686,32 +793,75 @@ impl DestinationService {
         service: SlotKey,
         port: u16,
     ) -> Result<mpsc::Receiver<Result<Update, Status>>, Status> {
-        self.try_subscribe_tiers(service, port, false)
+        let mut updates = self.open(service, port, false)?.map(decoded);
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    update = updates.next() => match update {
+                        Some(update) => if tx.send(update).await.is_err() { return },
+                        None => return,
+                    },
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Ok(rx)
     }
 
-    /// As [`DestinationService::try_subscribe`]; with `tiers`, the
-    /// subscriber is sent every priority tier, labelled, not only the best.
-    pub fn try_subscribe_tiers(
+    /// Opens a subscription: its stream of encoded updates. With `tiers`,
+    /// the subscriber is sent every priority tier, labelled, not only the
+    /// best. Registered at once, so the limit counts it before its first
+    /// update.
+    pub fn open(
         &self,
         service: SlotKey,
         port: u16,
         tiers: bool,
-    ) -> Result<mpsc::Receiver<Result<Update, Status>>, Status> {
+    ) -> Result<BoxStream<Bytes>, Status> {
         let (sub, registered) =
             self.subscriptions
                 .register(service.clone(), port, tiers, &self.metrics)?;
         let slot = self.index.subscribe(&service, port);
-        let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
-        tokio::spawn(serve_subscription(
+        Ok(Feed {
             sub,
-            slot,
-            tx,
-            self.index.clone(),
-            self.metrics.clone(),
-            self.shutdown.clone(),
-            registered,
-        ));
-        Ok(rx)
+            slot: Some(slot),
+            index: self.index.clone(),
+            metrics: self.metrics.clone(),
+            shutdown: self.shutdown.clone(),
+            step: None,
+            _registered: registered,
+        }
+        .into_stream())
+    }
+
+    /// A `Get` request's stream of encoded updates.
+    fn open_request(&self, req: GetDestination) -> Result<BoxStream<Bytes>, Status> {
+        if self.shutdown.is_triggered() {
+            return Err(Status::unavailable("control plane is shutting down"));
+        }
+        let tiers = tether_core::registry::wants_tiers(&req.context_token);
+        let path = req.path;
+        tracing::debug!(%path, tiers, "Destination.Get");
+        let ip_literal = split_host_port(&path).ok().and_then(|(host, port)| {
+            let ip = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .parse::<std::net::IpAddr>()
+                .ok()?;
+            Some(SocketAddr::new(ip, port))
+        });
+        let (key, port) = match (global_path(&path), ip_literal) {
+            (Some((g, port)), _) => (SlotKey::Global(g), port),
+            (None, Some(addr)) => (self.index.resolve_ip(addr), addr.port()),
+            (None, None) => {
+                let auth = parse_service_authority(&path, &self.cluster_domain)
+                    .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                self.check_port(&auth.service, auth.port)?;
+                (SlotKey::Service(auth.service), auth.port)
+            }
+        };
+        self.open(key, port, tiers)
     }
 
     /// Refuses a port the service does not declare (INVALID_ARGUMENT, like
@@ -800,36 +950,10 @@ impl Destination for DestinationService {
     type GetStream = BoxStream<Update>;
     type GetProfileStream = BoxStream<DestinationProfile>;
 
+    /// The same stream [`DestinationGrpc`] serves, decoded.
     async fn get(&self, req: Request<GetDestination>) -> Result<Response<Self::GetStream>, Status> {
-        if self.shutdown.is_triggered() {
-            return Err(Status::unavailable("control plane is shutting down"));
-        }
-        let req = req.into_inner();
-        let tiers = tether_core::registry::wants_tiers(&req.context_token);
-        let path = req.path;
-        tracing::debug!(%path, tiers, "Destination.Get");
-        let ip_literal = split_host_port(&path).ok().and_then(|(host, port)| {
-            let ip = host
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .parse::<std::net::IpAddr>()
-                .ok()?;
-            Some(SocketAddr::new(ip, port))
-        });
-        let (key, port) = match (global_path(&path), ip_literal) {
-            (Some((g, port)), _) => (SlotKey::Global(g), port),
-            (None, Some(addr)) => (self.index.resolve_ip(addr), addr.port()),
-            (None, None) => {
-                let auth = parse_service_authority(&path, &self.cluster_domain)
-                    .map_err(|e| Status::invalid_argument(e.to_string()))?;
-                self.check_port(&auth.service, auth.port)?;
-                (SlotKey::Service(auth.service), auth.port)
-            }
-        };
-        let rx = self.try_subscribe_tiers(key, port, tiers)?;
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+        let updates = self.open_request(req.into_inner())?;
+        Ok(Response::new(Box::pin(updates.map(decoded))))
     }
 
     async fn get_profile(
@@ -855,6 +979,126 @@ impl Destination for DestinationService {
                 Ok(Response::new(stream))
             }
         }
+    }
+}
+
+fn decoded(update: Result<Bytes, Status>) -> Result<Update, Status> {
+    Update::decode(update?).map_err(|e| Status::internal(format!("decoding an update: {e}")))
+}
+
+/// The `Destination` gRPC service: `Get` streams the shared, already
+/// encoded updates as they are ([`PreEncoded`]); `GetProfile` is the
+/// generated server's.
+#[derive(Clone)]
+pub struct DestinationGrpc {
+    destination: Arc<DestinationService>,
+    profiles: DestinationServer<DestinationService>,
+    max_decoding: usize,
+    max_encoding: usize,
+}
+
+const GET_PATH: &str = "/io.linkerd.proxy.destination.Destination/Get";
+
+impl DestinationGrpc {
+    pub fn new(destination: DestinationService, max_decoding: usize, max_encoding: usize) -> Self {
+        let destination = Arc::new(destination);
+        Self {
+            profiles: DestinationServer::from_arc(destination.clone())
+                .max_decoding_message_size(max_decoding)
+                .max_encoding_message_size(max_encoding),
+            destination,
+            max_decoding,
+            max_encoding,
+        }
+    }
+}
+
+impl tonic::server::NamedService for DestinationGrpc {
+    const NAME: &'static str = destination_server::SERVICE_NAME;
+}
+
+impl tower_service::Service<http::Request<tonic::body::Body>> for DestinationGrpc {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        if req.uri().path() != GET_PATH {
+            return self.profiles.call(req);
+        }
+        let get = EncodedGet(self.destination.clone());
+        let limits = (Some(self.max_decoding), Some(self.max_encoding));
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(PreEncoded)
+                .apply_max_message_size_config(limits.0, limits.1);
+            Ok(grpc.server_streaming(get, req).await)
+        })
+    }
+}
+
+struct EncodedGet(Arc<DestinationService>);
+
+impl tonic::server::ServerStreamingService<GetDestination> for EncodedGet {
+    type Response = Bytes;
+    type ResponseStream = BoxStream<Bytes>;
+    type Future = tonic::codegen::BoxFuture<Response<Self::ResponseStream>, Status>;
+
+    fn call(&mut self, req: Request<GetDestination>) -> Self::Future {
+        let destination = self.0.clone();
+        Box::pin(async move {
+            destination
+                .open_request(req.into_inner())
+                .map(Response::new)
+        })
+    }
+}
+
+/// A codec whose messages out are already encoded: it copies them into the
+/// stream's body as they are. Its buffer starts empty and grows to the
+/// update at hand, so an idle stream holds none (tonic's default is 8 KiB
+/// per stream, for the stream's life).
+#[derive(Clone, Copy, Default)]
+struct PreEncoded;
+
+/// When the encoded updates waiting in a stream's buffer are handed to
+/// HTTP/2 (tonic's default).
+const YIELD_THRESHOLD: usize = 32 * 1024;
+
+impl tonic::codec::Codec for PreEncoded {
+    type Encode = Bytes;
+    type Decode = GetDestination;
+    type Encoder = PreEncoded;
+    type Decoder = tonic_prost::ProstDecoder<GetDestination>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        PreEncoded
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic_prost::ProstDecoder::new(tonic::codec::BufferSettings::default())
+    }
+}
+
+impl tonic::codec::Encoder for PreEncoded {
+    type Item = Bytes;
+    type Error = Status;
+
+    fn encode(&mut self, item: Bytes, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), Status> {
+        use prost::bytes::BufMut;
+        dst.reserve(item.len());
+        dst.put_slice(&item);
+        Ok(())
+    }
+
+    fn buffer_settings(&self) -> tonic::codec::BufferSettings {
+        tonic::codec::BufferSettings::new(0, YIELD_THRESHOLD)
     }
 }
 
@@ -1160,6 +1404,88 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
         done()
+    }
+
+    /// A service of `n` endpoints with names and zones (about 130 bytes
+    /// each on the wire).
+    fn large_service(n: u32) -> crate::index::ServiceState {
+        use tether_core::registry::{EndpointSpec, PortSpec};
+        crate::index::ServiceState::new(vec![PortSpec::http(80)]).with_endpoints(
+            (0..n)
+                .map(|i| EndpointSpec {
+                    name: Some(format!("web-7d9c8f6b5-{i:05}")),
+                    zone: Some("eu-west-1a".into()),
+                    ..EndpointSpec::new(SocketAddr::from((
+                        [10, (i >> 16) as u8, (i >> 8) as u8, i as u8],
+                        8080,
+                    )))
+                })
+                .collect(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_stream_takes_updates_only_as_its_client_reads() {
+        // 30,000 endpoints: two 1 MiB `Add`s. A client that has read one
+        // has made the control plane hand out one, not a buffer's worth
+        // ahead of it.
+        let dst = service_with(Subscriptions::default());
+        dst.index
+            .set_service(&ServiceKey::new("web", "demo"), Some(large_service(30_000)));
+        let web = SlotKey::Service(ServiceKey::new("web", "demo"));
+        let mut stream = dst.open(web, 80, false).unwrap();
+        let first = Update::decode(stream.next().await.unwrap().unwrap()).unwrap();
+        assert!(kinds(&[first])[0].starts_with("add"));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(dst.metrics.updates_sent.get(), 1);
+        // The rest was encoded with the first (once, for every subscriber
+        // making the same step): it is there at once.
+        let mut rest = 0;
+        while let Ok(Some(update)) =
+            tokio::time::timeout(std::time::Duration::from_secs(1), stream.next()).await
+        {
+            update.unwrap();
+            rest += 1;
+        }
+        assert!(rest >= 1, "{rest} more updates");
+        assert_eq!(dst.metrics.updates_sent.get(), 1 + rest);
+    }
+
+    #[tokio::test]
+    async fn subscribers_making_the_same_step_share_its_encoding() {
+        let dst = service_with(Subscriptions::default());
+        let key = ServiceKey::new("web", "demo");
+        dst.index.set_service(&key, Some(large_service(3)));
+        let web = || SlotKey::Service(key.clone());
+        let mut streams: Vec<_> = (0..3)
+            .map(|_| dst.open(web(), 80, false).unwrap())
+            .collect();
+        let mut first = Vec::new();
+        for s in &mut streams {
+            first.push(s.next().await.unwrap().unwrap());
+        }
+        // The same bytes, not equal copies: encoded once.
+        assert!(
+            first.iter().all(|b| b.as_ptr() == first[0].as_ptr()),
+            "{first:?}"
+        );
+        dst.index.set_service(&key, Some(large_service(4)));
+        let mut next = Vec::new();
+        for s in &mut streams {
+            next.push(s.next().await.unwrap().unwrap());
+        }
+        assert_eq!(kinds(&[Update::decode(next[0].clone()).unwrap()]), ["add1"]);
+        assert!(
+            next.iter().all(|b| b.as_ptr() == next[0].as_ptr()),
+            "{next:?}"
+        );
+        // A client that reads tiers makes its own step, the same bytes here
+        // (a service without tiers looks the same to both).
+        let mut tiers = dst.open(web(), 80, true).unwrap();
+        let all = Update::decode(tiers.next().await.unwrap().unwrap()).unwrap();
+        assert_eq!(kinds(&[all]), ["add4"]);
     }
 
     #[tokio::test]

@@ -132,6 +132,8 @@ pub struct Published {
     /// `snap`'s best tier when it has several: computed once here rather
     /// than by each subscriber that does not read tiers.
     best_tier: Option<PortSnapshot>,
+    /// The updates to this state, encoded once for its subscribers.
+    pub(crate) shared: crate::destination::SharedUpdates,
 }
 
 impl Published {
@@ -145,6 +147,7 @@ impl Published {
             observed_at,
             snap,
             best_tier,
+            shared: Default::default(),
         }
     }
 

@@ -7,7 +7,6 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use linkerd2_proxy_api::destination::destination_server::DestinationServer;
 use linkerd2_proxy_api::identity::identity_server::IdentityServer;
 use linkerd2_proxy_api::inbound::inbound_server_policies_server::InboundServerPoliciesServer;
 use linkerd2_proxy_api::outbound::outbound_policies_server::OutboundPoliciesServer;
@@ -16,7 +15,7 @@ use tether_admin::{bind, Admin, Readiness, Shutdown};
 use tonic::service::interceptor::InterceptedService;
 
 use crate::channel::{Access, ChannelSecurity, Require};
-use crate::destination::{DestinationService, Subscriptions};
+use crate::destination::{DestinationGrpc, DestinationService, Subscriptions};
 use crate::identity::{IdentityMetrics, IdentityService, IdentitySource, KubeTokenReview};
 use crate::inbound_policy::{InboundDefaults, InboundService};
 use crate::index::Index;
@@ -402,9 +401,11 @@ fn grpc_services(
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .add_service(InterceptedService::new(
-            DestinationServer::new(destination)
-                .max_decoding_message_size(MAX_RECEIVE_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_SEND_MESSAGE_BYTES),
+            DestinationGrpc::new(
+                destination,
+                MAX_RECEIVE_MESSAGE_BYTES,
+                MAX_SEND_MESSAGE_BYTES,
+            ),
             mtls,
         ))
         .add_service(InterceptedService::new(
