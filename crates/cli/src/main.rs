@@ -3,6 +3,7 @@
 //! configuration they make, are in its module under [`cmd`].
 
 mod cmd;
+mod memory;
 
 use clap::{Parser, Subcommand};
 use tether_admin::Shutdown;
@@ -84,7 +85,24 @@ fn main() -> anyhow::Result<()> {
         tracing::info!("data-path runtime: {n} worker threads");
         runtime.worker_threads(n);
     }
-    runtime.build()?.block_on(run(cli))
+    let runtime = runtime.build()?;
+    if workers.is_some() {
+        runtime.spawn(release_startup_pages());
+    }
+    runtime.block_on(run(cli))
+}
+
+/// A data-path process lets go of its binary's start-up pages once
+/// start-up is over ([`memory`]).
+async fn release_startup_pages() {
+    tokio::time::sleep(memory::RELEASE_STARTUP_PAGES_AFTER).await;
+    match memory::release_binary_pages() {
+        Ok(bytes) => tracing::debug!(
+            mapped_mib = bytes >> 20,
+            "let go of the binary's start-up pages"
+        ),
+        Err(e) => tracing::debug!(error = %e, "could not read this process's mappings"),
+    }
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {

@@ -1,0 +1,174 @@
+//! Resident memory of the data-path processes (`tether proxy`, `tether
+//! gateway`).
+//!
+//! Four fifths of a proxy's RSS are pages of the `tether` binary itself
+//! (docs/performance.md, "Memory"): the one binary carries the control
+//! plane, the Kubernetes client and the operator tools, and a proxy maps
+//! half of its 21 MiB of code — start-up code it never runs again, and the
+//! neighbours the kernel's fault-around maps beside every hot function —
+//! while it runs 2-2.5 MiB of it under load.
+
+use std::time::Duration;
+
+/// How long after start the start-up pages are let go: start-up (flags,
+/// key and CSR, the first Certify and discovery streams) takes tens of
+/// milliseconds with a reachable control plane; code it runs again later
+/// (a retry, a renewal) is simply read back.
+pub const RELEASE_STARTUP_PAGES_AFTER: Duration = Duration::from_secs(10);
+
+/// Unmaps this process's clean pages of its own binary (code and
+/// read-only data), so that RSS counts what the process runs from then on
+/// rather than everything it ran at start-up. Returns the bytes of the
+/// mappings let go.
+///
+/// Nothing is freed or lost: the pages stay in the page cache (shared with
+/// every process running the binary), and the next access to one maps it
+/// back with a minor fault — what the kernel does itself to such pages
+/// under memory pressure. A mapping holding any private (written) page —
+/// the loader's relocated read-only data, a debugger's breakpoint — is
+/// left alone: dropping those would revert them to the file's bytes.
+pub fn release_binary_pages() -> std::io::Result<usize> {
+    let exe = std::fs::read_link("/proc/self/exe")?;
+    let exe = exe.to_string_lossy();
+    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
+    let mut released = 0;
+    for mapping in clean_read_only_mappings(&smaps, &exe) {
+        // SAFETY: the range is one whole mapping of this process's binary,
+        // read-only, with no private page (checked from smaps just above;
+        // nothing in the process writes to a read-only mapping): after
+        // MADV_DONTNEED every page reads back the same bytes from the file.
+        let rc = unsafe {
+            libc::madvise(
+                mapping.start as *mut libc::c_void,
+                mapping.end - mapping.start,
+                libc::MADV_DONTNEED,
+            )
+        };
+        if rc == 0 {
+            released += mapping.end - mapping.start;
+        }
+    }
+    Ok(released)
+}
+
+#[derive(Debug, PartialEq)]
+struct Mapping {
+    start: usize,
+    end: usize,
+}
+
+/// The mappings of `path` in `smaps` that are read-only and hold no
+/// private page (neither resident nor swapped out).
+fn clean_read_only_mappings(smaps: &str, path: &str) -> Vec<Mapping> {
+    let mut found = Vec::new();
+    // The mapping being read, while it still qualifies.
+    let mut current: Option<Mapping> = None;
+    for line in smaps.lines() {
+        let mut fields = line.split_whitespace();
+        let first = fields.next().unwrap_or("");
+        if let Some((start, end)) = first.split_once('-') {
+            if let (Ok(start), Ok(end)) = (
+                usize::from_str_radix(start, 16),
+                usize::from_str_radix(end, 16),
+            ) {
+                found.extend(current.take());
+                let perms = fields.next().unwrap_or("");
+                // address perms offset dev inode pathname
+                let name = line.splitn(6, char::is_whitespace).nth(5).unwrap_or("");
+                if (perms == "r-xp" || perms == "r--p") && name.trim() == path {
+                    current = Some(Mapping { start, end });
+                }
+                continue;
+            }
+        }
+        if matches!(first, "Anonymous:" | "Swap:") && fields.next() != Some("0") {
+            current = None;
+        }
+    }
+    found.extend(current);
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMAPS: &str = "\
+55d9a1c6d000-55d9a2325000 r--p 00000000 fd:00 1234   /opt/tether/bin/tether
+Size:               7648 kB
+Rss:                3040 kB
+Anonymous:             0 kB
+Swap:                  0 kB
+55d9a2325000-55d9a37bb000 r-xp 006b8000 fd:00 1234   /opt/tether/bin/tether
+Size:              21088 kB
+Anonymous:             0 kB
+Swap:                  0 kB
+55d9a37bb000-55d9a387f000 r--p 01b4e000 fd:00 1234   /opt/tether/bin/tether
+Size:                784 kB
+Anonymous:           784 kB
+Swap:                  0 kB
+55d9a387f000-55d9a3884000 rw-p 01c11000 fd:00 1234   /opt/tether/bin/tether
+Anonymous:            20 kB
+7f0000000000-7f0000100000 r-xp 00000000 fd:00 99     /usr/lib/x86_64-linux-gnu/libc.so.6
+Anonymous:             0 kB
+7f0000100000-7f0000200000 r--p 00000000 fd:00 1235   /opt/tether/bin/tether-old
+Anonymous:             0 kB
+7f0000200000-7f0000300000 r--p 00000000 fd:00 1234   /opt/tether/bin/tether
+Anonymous:             0 kB
+Swap:                  4 kB
+";
+
+    #[test]
+    fn only_clean_read_only_mappings_of_the_binary_qualify() {
+        assert_eq!(
+            clean_read_only_mappings(SMAPS, "/opt/tether/bin/tether"),
+            [
+                Mapping {
+                    start: 0x55d9a1c6d000,
+                    end: 0x55d9a2325000
+                },
+                Mapping {
+                    start: 0x55d9a2325000,
+                    end: 0x55d9a37bb000
+                },
+            ],
+            "relocated data (private pages), writable data, other files and \
+             a mapping with swapped-out private pages stay"
+        );
+    }
+
+    /// Resident KiB of this process's mappings of its own code.
+    fn code_rss_kib() -> u64 {
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let exe = exe.to_string_lossy().to_string();
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut in_code = false;
+        let mut rss = 0;
+        for line in smaps.lines() {
+            let mut fields = line.split_whitespace();
+            let first = fields.next().unwrap_or("");
+            if first.contains('-') && !first.ends_with(':') {
+                in_code = fields.next() == Some("r-xp") && line.trim_end().ends_with(&exe);
+            } else if in_code && first == "Rss:" {
+                rss += fields.next().unwrap().parse::<u64>().unwrap();
+            }
+        }
+        rss
+    }
+
+    #[test]
+    fn released_code_pages_leave_rss_and_come_back_when_run() {
+        let before = code_rss_kib();
+        let released = release_binary_pages().unwrap();
+        let after = code_rss_kib();
+        assert!(released > 0, "the binary's code is mapped read-only");
+        // The code run since (reading smaps) is mapped back; the rest of
+        // what the test harness had run so far is not.
+        assert!(
+            after < before,
+            "code RSS {before} KiB before, {after} KiB after"
+        );
+        // The process goes on running the released code.
+        assert!(!clean_read_only_mappings(SMAPS, "/opt/tether/bin/tether").is_empty());
+    }
+}
