@@ -8,6 +8,7 @@
 #   --compare-threads N (an extra mTLS pair with --threads N; repeatable)
 #   --compare BINARY (an extra mTLS pair of another tether build, e.g. before a change)
 #   --perf DIR (perf record the proxies during the first repetition, into DIR/*.data)
+#   --syscalls (count the pairs' system calls per request, by kind, during the first repetition)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p tether -p tether-bench

@@ -18,6 +18,7 @@
 //!
 //! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]
+//!          [--perf DIR] [--syscalls]
 //!
 //! `--compare-threads N` adds an mTLS pair run with `--threads N`;
 //! `--compare BINARY` adds an mTLS pair of another build (say, before a
@@ -28,6 +29,11 @@
 //! into `DIR/<path>-<rate>.data`, for `perf report --no-children -i FILE`.
 //! Unwinding costs the profiled processes kernel time, so a profiled run's
 //! CPU figures are not to be compared with an unprofiled one's.
+//!
+//! `--syscalls` counts, during the first repetition's open-loop runs, the
+//! system calls of every pair (`perf stat` on the syscall tracepoints) and
+//! prints them per request, in total and by kind: the largest share of a
+//! Tether proxy's CPU is the kernel's.
 
 #![forbid(unsafe_code)]
 
@@ -55,6 +61,8 @@ struct Args {
     compare_threads: Vec<String>,
     /// Where `perf record` writes the first repetition's profiles.
     perf: Option<PathBuf>,
+    /// Count system calls per request during the first repetition.
+    syscalls: bool,
 }
 
 /// One pair of Tether proxies to measure.
@@ -101,9 +109,14 @@ fn parse_args() -> anyhow::Result<Args> {
         compare: None,
         compare_threads: Vec::new(),
         perf: None,
+        syscalls: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--syscalls" {
+            args.syscalls = true;
+            continue;
+        }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--tether" => args.tether = value.into(),
@@ -217,6 +230,9 @@ struct Samples {
     max_cpu_per_k: Vec<f64>,
     /// Per proxy (client, server): RSS at the end of the full-speed run.
     rss_mib: Vec<Vec<f64>>,
+    /// Per rate: system calls per request by kind, the total first
+    /// (`--syscalls`, first repetition).
+    syscalls: Vec<Vec<(String, f64)>>,
 }
 
 /// The medians over repetitions.
@@ -571,6 +587,7 @@ async fn main() -> anyhow::Result<()> {
         .iter()
         .map(|_| Samples {
             fixed: vec![Vec::new(); args.rates.len()],
+            syscalls: vec![Vec::new(); args.rates.len()],
             ..Samples::default()
         })
         .collect();
@@ -585,7 +602,16 @@ async fn main() -> anyhow::Result<()> {
             for (r, sample) in routes.iter().zip(&mut samples) {
                 let before = cpu(r);
                 let _perf = profile(&args, rep, r, &rate.to_string())?;
+                let counting = count_syscalls(&args, rep, r, &dir)?;
                 let report = load(&args, r, Some(rate), args.seconds)?;
+                if let Some(counting) = counting {
+                    let sent = report["sent"].as_f64().unwrap_or(1.0).max(1.0);
+                    sample.syscalls[ri] = counting
+                        .finish()
+                        .into_iter()
+                        .map(|(kind, n)| (kind, n as f64 / sent))
+                        .collect();
+                }
                 sample.fixed[ri].push(Fixed {
                     p: [
                         f(&report, "p50_ms"),
@@ -617,6 +643,9 @@ async fn main() -> anyhow::Result<()> {
         .map(|(r, s)| s.summary(&r.pids))
         .collect();
     report(&args, &routes, &sums);
+    if args.syscalls {
+        report_syscalls(&args, &routes, &samples);
+    }
     println!("\nstart-up, from spawn to /ready 200 with a certificate (Certify included):");
     for (name, took) in &start_up {
         println!("  {name:<24} {:>6.0} ms", took.as_secs_f64() * 1000.0);
@@ -665,6 +694,123 @@ fn profile(
     // perf needs a moment to attach before the load starts.
     std::thread::sleep(Duration::from_millis(300));
     Ok(Some(PerfRecord(child)))
+}
+
+/// The system calls counted one by one (`syscalls:sys_enter_*`): those a
+/// proxy makes per request and per wake-up. Kinds this kernel lacks are
+/// left out; `raw_syscalls:sys_enter` counts every kind.
+const SYSCALL_KINDS: &[&str] = &[
+    "read",
+    "write",
+    "readv",
+    "writev",
+    "recvfrom",
+    "sendto",
+    "recvmsg",
+    "sendmsg",
+    "epoll_wait",
+    "epoll_pwait",
+    "epoll_ctl",
+    "futex",
+    "sched_yield",
+    "accept4",
+    "close",
+    "setsockopt",
+    "getrandom",
+    "madvise",
+    "mmap",
+    "munmap",
+    "mprotect",
+    "brk",
+];
+
+/// `perf stat` counting a route's system calls; [`SyscallCount::finish`]
+/// stops it and reads the counts.
+struct SyscallCount {
+    child: std::process::Child,
+    out: PathBuf,
+}
+
+impl SyscallCount {
+    /// The counts by kind, the total (`all`) first.
+    fn finish(mut self) -> Vec<(String, u64)> {
+        let _ = std::process::Command::new("kill")
+            .args(["-INT", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+        let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+        // CSV: count,unit,event,...
+        let mut counts: Vec<(String, u64)> = text
+            .lines()
+            .filter_map(|line| {
+                let mut fields = line.split(',');
+                let count = fields.next()?.parse().ok()?;
+                let event = fields.nth(1)?;
+                let kind = match event.strip_prefix("syscalls:sys_enter_") {
+                    Some(kind) => kind.to_string(),
+                    None if event == "raw_syscalls:sys_enter" => "all".to_string(),
+                    None => return None,
+                };
+                Some((kind, count))
+            })
+            .collect();
+        counts.sort_by_key(|(kind, n)| (kind != "all", std::cmp::Reverse(*n)));
+        counts
+    }
+}
+
+fn count_syscalls(
+    args: &Args,
+    rep: usize,
+    route: &Route,
+    dir: &Path,
+) -> anyhow::Result<Option<SyscallCount>> {
+    if !args.syscalls || rep > 0 || route.pids.is_empty() {
+        return Ok(None);
+    }
+    ensure_installed("perf", "linux-perf")?;
+    let tracepoints = Path::new("/sys/kernel/tracing/events/syscalls");
+    let mut events = vec!["raw_syscalls:sys_enter".to_string()];
+    events.extend(
+        SYSCALL_KINDS
+            .iter()
+            .filter(|k| tracepoints.join(format!("sys_enter_{k}")).exists())
+            .map(|k| format!("syscalls:sys_enter_{k}")),
+    );
+    let pids: Vec<String> = route.pids.iter().map(u32::to_string).collect();
+    let out = dir.join(format!("syscalls-{}.csv", route.name.replace('+', "-")));
+    let child = std::process::Command::new("perf")
+        .args(["stat", "-x", ",", "-e", &events.join(",")])
+        .args(["-p", &pids.join(","), "-o"])
+        .arg(&out)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting perf stat")?;
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(Some(SyscallCount { child, out }))
+}
+
+fn report_syscalls(args: &Args, routes: &[Route], samples: &[Samples]) {
+    for (ri, rate) in args.rates.iter().enumerate() {
+        println!(
+            "
+system calls per request at {rate} req/s, both proxies (first repetition):"
+        );
+        for (r, s) in routes.iter().zip(samples) {
+            let counts = &s.syscalls[ri];
+            let Some((_, total)) = counts.first() else {
+                continue;
+            };
+            let kinds: Vec<String> = counts
+                .iter()
+                .skip(1)
+                .filter(|(_, n)| *n >= 0.05)
+                .map(|(kind, n)| format!("{kind} {n:.2}"))
+                .collect();
+            println!("  {:<12} {total:>6.2}   {}", r.name, kinds.join(", "));
+        }
+    }
 }
 
 fn max_secs(args: &Args) -> f64 {
