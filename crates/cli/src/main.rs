@@ -73,17 +73,25 @@ fn init_tracing() {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing();
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    runtime.enable_all();
     // The data path runs on a sidecar's share of the host, not on every core.
     let workers = match &cli.command {
         Command::Proxy(args) => Some(args.worker_threads()),
         Command::Gateway(args) => Some(args.worker_threads()),
         _ => None,
     };
+    // One worker runs on the current-thread scheduler: no work-stealing
+    // queues or cross-thread wake-ups, which cost a multi-thread runtime
+    // with one worker measurable CPU per request (docs/performance.md).
+    let mut runtime = match workers {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    runtime.enable_all();
     if let Some(n) = workers {
         tracing::info!("data-path runtime: {n} worker threads");
-        runtime.worker_threads(n);
+        if n > 1 {
+            runtime.worker_threads(n);
+        }
     }
     let runtime = runtime.build()?;
     if workers.is_some() {
