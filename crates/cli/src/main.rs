@@ -104,10 +104,10 @@ fn main() -> anyhow::Result<()> {
 /// start-up is over ([`memory`]).
 async fn release_startup_pages() {
     tokio::time::sleep(memory::RELEASE_STARTUP_PAGES_AFTER).await;
-    match memory::release_binary_pages() {
+    match memory::release_file_pages() {
         Ok(bytes) => tracing::debug!(
             mapped_mib = bytes >> 20,
-            "let go of the binary's start-up pages"
+            "let go of start-up pages of the binary and libraries"
         ),
         Err(e) => tracing::debug!(error = %e, "could not read this process's mappings"),
     }

@@ -16,24 +16,22 @@ use std::time::Duration;
 /// (a retry, a renewal) is simply read back.
 pub const RELEASE_STARTUP_PAGES_AFTER: Duration = Duration::from_secs(10);
 
-/// Unmaps this process's clean pages of its own binary (code and
-/// read-only data), so that RSS counts what the process runs from then on
-/// rather than everything it ran at start-up. Returns the bytes of the
-/// mappings let go.
+/// Unmaps this process's clean pages of its binary and shared libraries
+/// (code and read-only data), so that RSS counts what the process runs
+/// from then on rather than everything it (and the dynamic loader) ran at
+/// start-up. Returns the bytes of the mappings let go.
 ///
 /// Nothing is freed or lost: the pages stay in the page cache (shared with
-/// every process running the binary), and the next access to one maps it
+/// every process running the same files), and the next access to one maps it
 /// back with a minor fault — what the kernel does itself to such pages
 /// under memory pressure. A mapping holding any private (written) page —
 /// the loader's relocated read-only data, a debugger's breakpoint — is
 /// left alone: dropping those would revert them to the file's bytes.
-pub fn release_binary_pages() -> std::io::Result<usize> {
-    let exe = std::fs::read_link("/proc/self/exe")?;
-    let exe = exe.to_string_lossy();
+pub fn release_file_pages() -> std::io::Result<usize> {
     let smaps = std::fs::read_to_string("/proc/self/smaps")?;
     let mut released = 0;
-    for mapping in clean_read_only_mappings(&smaps, &exe) {
-        // SAFETY: the range is one whole mapping of this process's binary,
+    for mapping in clean_read_only_file_mappings(&smaps) {
+        // SAFETY: the range is one whole private mapping of a file,
         // read-only, with no private page (checked from smaps just above;
         // nothing in the process writes to a read-only mapping): after
         // MADV_DONTNEED every page reads back the same bytes from the file.
@@ -57,9 +55,9 @@ struct Mapping {
     end: usize,
 }
 
-/// The mappings of `path` in `smaps` that are read-only and hold no
-/// private page (neither resident nor swapped out).
-fn clean_read_only_mappings(smaps: &str, path: &str) -> Vec<Mapping> {
+/// The private mappings of files in `smaps` that are read-only and hold
+/// no private page (neither resident nor swapped out).
+fn clean_read_only_file_mappings(smaps: &str) -> Vec<Mapping> {
     let mut found = Vec::new();
     // The mapping being read, while it still qualifies.
     let mut current: Option<Mapping> = None;
@@ -75,7 +73,7 @@ fn clean_read_only_mappings(smaps: &str, path: &str) -> Vec<Mapping> {
                 let perms = fields.next().unwrap_or("");
                 // address perms offset dev inode pathname
                 let name = line.splitn(6, char::is_whitespace).nth(5).unwrap_or("");
-                if (perms == "r-xp" || perms == "r--p") && name.trim() == path {
+                if (perms == "r-xp" || perms == "r--p") && name.trim().starts_with('/') {
                     current = Some(Mapping { start, end });
                 }
                 continue;
@@ -111,6 +109,12 @@ Swap:                  0 kB
 Anonymous:            20 kB
 7f0000000000-7f0000100000 r-xp 00000000 fd:00 99     /usr/lib/x86_64-linux-gnu/libc.so.6
 Anonymous:             0 kB
+7f0000010000-7f0000020000 r--p 00000000 00:00 0 
+Anonymous:             0 kB
+7ffd21c17000-7ffd21c38000 rw-p 00000000 00:00 0                          [stack]
+Anonymous:           132 kB
+7ffd21d00000-7ffd21d02000 r-xp 00000000 00:00 0                          [vdso]
+Anonymous:             0 kB
 7f0000100000-7f0000200000 r--p 00000000 fd:00 1235   /opt/tether/bin/tether-old
 Anonymous:             0 kB
 7f0000200000-7f0000300000 r--p 00000000 fd:00 1234   /opt/tether/bin/tether
@@ -119,21 +123,18 @@ Swap:                  4 kB
 ";
 
     #[test]
-    fn only_clean_read_only_mappings_of_the_binary_qualify() {
+    fn only_clean_read_only_file_mappings_qualify() {
+        let at = |start, end| Mapping { start, end };
         assert_eq!(
-            clean_read_only_mappings(SMAPS, "/opt/tether/bin/tether"),
+            clean_read_only_file_mappings(SMAPS),
             [
-                Mapping {
-                    start: 0x55d9a1c6d000,
-                    end: 0x55d9a2325000
-                },
-                Mapping {
-                    start: 0x55d9a2325000,
-                    end: 0x55d9a37bb000
-                },
+                at(0x55d9a1c6d000, 0x55d9a2325000),
+                at(0x55d9a2325000, 0x55d9a37bb000),
+                at(0x7f0000000000, 0x7f0000100000),
+                at(0x7f0000100000, 0x7f0000200000),
             ],
-            "relocated data (private pages), writable data, other files and \
-             a mapping with swapped-out private pages stay"
+            "relocated data (private pages), writable data, anonymous memory \
+             and a mapping with swapped-out private pages stay"
         );
     }
 
@@ -159,7 +160,7 @@ Swap:                  4 kB
     #[test]
     fn released_code_pages_leave_rss_and_come_back_when_run() {
         let before = code_rss_kib();
-        let released = release_binary_pages().unwrap();
+        let released = release_file_pages().unwrap();
         let after = code_rss_kib();
         assert!(released > 0, "the binary's code is mapped read-only");
         // The code run since (reading smaps) is mapped back; the rest of
@@ -169,6 +170,6 @@ Swap:                  4 kB
             "code RSS {before} KiB before, {after} KiB after"
         );
         // The process goes on running the released code.
-        assert!(!clean_read_only_mappings(SMAPS, "/opt/tether/bin/tether").is_empty());
+        assert_eq!(clean_read_only_file_mappings("").len(), 0);
     }
 }
