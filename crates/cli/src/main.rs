@@ -100,8 +100,8 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(run(cli))
 }
 
-/// A data-path process lets go of its binary's start-up pages once
-/// start-up is over ([`memory`]).
+/// A data-path process lets go of the start-up pages of its binary and
+/// libraries once start-up is over ([`memory`]).
 async fn release_startup_pages() {
     tokio::time::sleep(memory::RELEASE_STARTUP_PAGES_AFTER).await;
     match memory::release_file_pages() {
