@@ -138,38 +138,89 @@ Swap:                  4 kB
         );
     }
 
-    /// Resident KiB of this process's mappings of its own code.
-    fn code_rss_kib() -> u64 {
-        let exe = std::fs::read_link("/proc/self/exe").unwrap();
-        let exe = exe.to_string_lossy().to_string();
+    /// A private mapping of a new file of `pages` pages of `byte`, every
+    /// page read (so resident). Returns its address and length.
+    fn map_file(dir: &std::path::Path, pages: usize, byte: u8, prot: i32) -> (usize, usize) {
+        use std::os::fd::AsRawFd;
+        let len = pages * 4096;
+        let path = dir.join(format!("mapped-{byte}"));
+        std::fs::write(&path, vec![byte; len]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: a new mapping of a file this test owns; nothing else
+        // refers to the range.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(addr, libc::MAP_FAILED);
+        let addr = addr as usize;
+        assert_eq!(read_all(addr, len), vec![byte; len]);
+        (addr, len)
+    }
+
+    fn read_all(addr: usize, len: usize) -> Vec<u8> {
+        // SAFETY: `addr..addr + len` is a live readable mapping made by
+        // `map_file`, never unmapped.
+        unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec()
+    }
+
+    /// Resident KiB of the mapping that starts at `addr`.
+    fn rss_kib(addr: usize) -> u64 {
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
-        let mut in_code = false;
-        let mut rss = 0;
-        for line in smaps.lines() {
-            let mut fields = line.split_whitespace();
-            let first = fields.next().unwrap_or("");
-            if first.contains('-') && !first.ends_with(':') {
-                in_code = fields.next() == Some("r-xp") && line.trim_end().ends_with(&exe);
-            } else if in_code && first == "Rss:" {
-                rss += fields.next().unwrap().parse::<u64>().unwrap();
-            }
-        }
-        rss
+        let header = format!("{addr:x}-");
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&header));
+        lines
+            .find_map(|l| l.strip_prefix("Rss:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .expect("the mapping is listed")
     }
 
     #[test]
-    fn released_code_pages_leave_rss_and_come_back_when_run() {
-        let before = code_rss_kib();
+    fn clean_file_pages_leave_rss_and_read_back_the_same() {
+        let dir = tempfile::tempdir().unwrap();
+        let (addr, len) = map_file(dir.path(), 64, 0xab, libc::PROT_READ);
         let released = release_file_pages().unwrap();
-        let after = code_rss_kib();
-        assert!(released > 0, "the binary's code is mapped read-only");
-        // The code run since (reading smaps) is mapped back; the rest of
-        // what the test harness had run so far is not.
-        assert!(
-            after < before,
-            "code RSS {before} KiB before, {after} KiB after"
+        assert!(released >= len, "{released} bytes let go");
+        // Nothing touches the mapping in between (another test's release
+        // can only let go of more).
+        assert_eq!(rss_kib(addr), 0, "the clean mapping is no longer resident");
+        assert_eq!(read_all(addr, len), vec![0xab; len], "same bytes read back");
+        assert!(rss_kib(addr) > 0, "and resident again");
+    }
+
+    #[test]
+    fn a_mapping_with_a_written_page_is_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let (addr, len) = map_file(dir.path(), 4, 0x11, libc::PROT_READ | libc::PROT_WRITE);
+        // A private copy of one page, then read-only: like the loader's
+        // relocated data.
+        // SAFETY: the first page of the writable mapping made above.
+        unsafe { *(addr as *mut u8) = 0x22 };
+        // SAFETY: the whole mapping made above.
+        assert_eq!(
+            unsafe { libc::mprotect(addr as *mut libc::c_void, len, libc::PROT_READ) },
+            0
         );
-        // The process goes on running the released code.
-        assert_eq!(clean_read_only_file_mappings("").len(), 0);
+        release_file_pages().unwrap();
+        let bytes = read_all(addr, len);
+        assert_eq!(bytes[0], 0x22, "the written byte is kept, not reverted");
+        assert!(bytes[1..].iter().all(|b| *b == 0x11));
+    }
+
+    #[test]
+    fn the_process_runs_on_after_letting_go_of_its_own_code() {
+        let released = release_file_pages().unwrap();
+        assert!(
+            released > 0,
+            "the test binary's code is a clean file mapping"
+        );
+        // Run code let go of just now: the formatting machinery.
+        assert_eq!(format!("{released:#x}"), format!("0x{released:x}"));
     }
 }
