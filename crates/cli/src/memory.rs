@@ -203,10 +203,8 @@ Swap:                  4 kB
         // SAFETY: the first page of the writable mapping made above.
         unsafe { *(addr as *mut u8) = 0x22 };
         // SAFETY: the whole mapping made above.
-        assert_eq!(
-            unsafe { libc::mprotect(addr as *mut libc::c_void, len, libc::PROT_READ) },
-            0
-        );
+        let rc = unsafe { libc::mprotect(addr as *mut libc::c_void, len, libc::PROT_READ) };
+        assert_eq!(rc, 0);
         release_file_pages().unwrap();
         let bytes = read_all(addr, len);
         assert_eq!(bytes[0], 0x22, "the written byte is kept, not reverted");
