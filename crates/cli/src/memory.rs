@@ -27,26 +27,110 @@ pub const RELEASE_STARTUP_PAGES_AFTER: Duration = Duration::from_secs(10);
 /// under memory pressure. A mapping holding any private (written) page —
 /// the loader's relocated read-only data, a debugger's breakpoint — is
 /// left alone: dropping those would revert them to the file's bytes.
+///
+/// Only the read-only segments of loaded objects are let go, located
+/// through the loader (`dl_iterate_phdr`) while it holds its lock, never a
+/// range merely listed in smaps: other threads run meanwhile, and a file
+/// mapping smaps listed may since have been unmapped and its addresses
+/// reused for live memory (the loader maps ld.so.cache only for the length
+/// of a dlopen, which getaddrinfo's NSS modules do on the blocking pool;
+/// a library being loaded is mapped whole with its first segment's
+/// protection before its data segment goes over it). Dropping pages there
+/// would zero that memory.
 pub fn release_file_pages() -> std::io::Result<usize> {
     let smaps = std::fs::read_to_string("/proc/self/smaps")?;
-    let mut released = 0;
-    for mapping in clean_read_only_file_mappings(&smaps) {
-        // SAFETY: the range is one whole private mapping of a file,
-        // read-only, with no private page (checked from smaps just above;
-        // nothing in the process writes to a read-only mapping): after
-        // MADV_DONTNEED every page reads back the same bytes from the file.
-        let rc = unsafe {
-            libc::madvise(
-                mapping.start as *mut libc::c_void,
-                mapping.end - mapping.start,
-                libc::MADV_DONTNEED,
+    let mut release = Release {
+        clean: clean_read_only_file_mappings(&smaps),
+        released: 0,
+    };
+    // SAFETY: `release_loaded_object` is given `release`, which outlives the
+    // call, and reads only what the loader hands it.
+    unsafe {
+        libc::dl_iterate_phdr(
+            Some(release_loaded_object),
+            (&mut release as *mut Release).cast(),
+        );
+    }
+    Ok(release.released)
+}
+
+/// What [`release_file_pages`] may let go of (the mappings smaps showed
+/// clean), and how much it has.
+struct Release {
+    clean: Vec<Mapping>,
+    released: usize,
+}
+
+/// Called by `dl_iterate_phdr` for each loaded object (the binary, each
+/// shared library) with the loader's lock held: no listed object is
+/// unmapped (dlclose) meanwhile, and an object being loaded is listed only
+/// once its segments are in place. Lets go of its read-only segments where
+/// smaps showed them clean.
+unsafe extern "C" fn release_loaded_object(
+    info: *mut libc::dl_phdr_info,
+    _size: libc::size_t,
+    data: *mut libc::c_void,
+) -> libc::c_int {
+    // SAFETY: `data` is the `Release` given to dl_iterate_phdr, `info` a
+    // loaded object's description with its program headers.
+    let (release, info) = unsafe { (&mut *data.cast::<Release>(), &*info) };
+    if info.dlpi_phdr.is_null() {
+        return 0;
+    }
+    // SAFETY: as above.
+    let headers = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum.into()) };
+    let page = page_size();
+    for header in headers {
+        if header.p_type != libc::PT_LOAD || header.p_flags & libc::PF_W != 0 {
+            continue;
+        }
+        let start = info.dlpi_addr as usize + header.p_vaddr as usize;
+        let end = start + header.p_memsz as usize;
+        // SAFETY: the pages of a read-only segment of a loaded object,
+        // mapped from its file for as long as the loader's lock is held.
+        release.released += unsafe {
+            release_clean_within(
+                &release.clean,
+                start & !(page - 1),
+                end.next_multiple_of(page),
             )
         };
+    }
+    0
+}
+
+/// Lets go of the parts of `start..end` that are in `clean` mappings;
+/// returns how many bytes.
+///
+/// # Safety
+///
+/// `start..end` must be mapped from a file, read-only, and stay so for
+/// the call: then a part that had no private page when smaps was read
+/// has none now (nothing writes to a read-only mapping), and every page
+/// let go reads back the same bytes from the file.
+unsafe fn release_clean_within(clean: &[Mapping], start: usize, end: usize) -> usize {
+    let mut released = 0;
+    for mapping in clean {
+        let (from, to) = (mapping.start.max(start), mapping.end.min(end));
+        if from >= to {
+            continue;
+        }
+        // SAFETY: by this function's contract.
+        let rc =
+            unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_DONTNEED) };
         if rc == 0 {
-            released += mapping.end - mapping.start;
+            released += to - from;
         }
     }
-    Ok(released)
+    released
+}
+
+fn page_size() -> usize {
+    // SAFETY: no preconditions.
+    match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        n if n > 0 => n as usize,
+        _ => 4096,
+    }
 }
 
 #[derive(Debug, PartialEq)]
@@ -90,6 +174,92 @@ fn clean_read_only_file_mappings(smaps: &str) -> Vec<Mapping> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Another thread maps a file read-only, unmaps it and gets anonymous
+    /// memory at the same address — what the loader does with ld.so.cache
+    /// during a dlopen (glibc's NSS modules, loaded by getaddrinfo on the
+    /// blocking pool), or any short-lived file mapping. A release that read
+    /// smaps before the swap must not reach that memory: it would zero it.
+    fn linger() {
+        for _ in 0..20 {
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn live_memory_that_replaced_a_file_mapping_is_never_let_go() {
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        const LEN: usize = 64 * 4096;
+        const WRITTEN: u8 = 0xaa;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("transient");
+        std::fs::write(&path, vec![1u8; LEN]).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let remaps = std::sync::Arc::new(AtomicU64::new(0));
+        let remapper = std::thread::spawn({
+            let (stop, remaps) = (stop.clone(), remaps.clone());
+            move || -> Result<(), String> {
+                while !stop.load(Ordering::Relaxed) {
+                    // SAFETY: mappings this thread makes and unmaps itself;
+                    // it reads and writes only within them.
+                    unsafe {
+                        let prot = libc::PROT_READ;
+                        let mapped = libc::mmap(
+                            std::ptr::null_mut(),
+                            LEN,
+                            prot,
+                            libc::MAP_PRIVATE,
+                            file.as_raw_fd(),
+                            0,
+                        );
+                        assert_ne!(mapped, libc::MAP_FAILED);
+                        std::ptr::read_volatile(mapped as *const u8);
+                        // Both states last a while: a release reads smaps
+                        // during one and lets go during the other.
+                        linger();
+                        libc::munmap(mapped, LEN);
+                        let anon = libc::mmap(
+                            std::ptr::null_mut(),
+                            LEN,
+                            prot | libc::PROT_WRITE,
+                            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                            -1,
+                            0,
+                        );
+                        assert_ne!(anon, libc::MAP_FAILED);
+                        let bytes = anon.cast::<u8>();
+                        for at in (0..LEN).step_by(4096) {
+                            bytes.add(at).write_volatile(WRITTEN);
+                        }
+                        remaps.fetch_add(1, Ordering::Relaxed);
+                        linger();
+                        for at in (0..LEN).step_by(4096) {
+                            let read = bytes.add(at).read_volatile();
+                            if read != WRITTEN {
+                                return Err(format!(
+                                    "anonymous memory at {anon:?}+{at:#x} (where the file was \
+                                     mapped: {}) read {read:#x}, {WRITTEN:#x} written",
+                                    anon == mapped
+                                ));
+                            }
+                        }
+                        libc::munmap(anon, LEN);
+                    }
+                }
+                Ok(())
+            }
+        });
+        while remaps.load(Ordering::Relaxed) == 0 && !remapper.is_finished() {
+            std::thread::yield_now();
+        }
+        for _ in 0..300 {
+            release_file_pages().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        remapper.join().unwrap().unwrap();
+    }
 
     const SMAPS: &str = "\
 55d9a1c6d000-55d9a2325000 r--p 00000000 fd:00 1234   /opt/tether/bin/tether
@@ -170,6 +340,14 @@ Swap:                  4 kB
         unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec()
     }
 
+    /// What [`release_file_pages`] does to a loaded object's segment, done
+    /// to a mapping the test owns (which the loader does not list).
+    fn release_range(addr: usize, len: usize) -> usize {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        // SAFETY: a read-only mapping made by `map_file`, never unmapped.
+        unsafe { release_clean_within(&clean_read_only_file_mappings(&smaps), addr, addr + len) }
+    }
+
     /// Resident KiB of the mapping that starts at `addr`.
     fn rss_kib(addr: usize) -> u64 {
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
@@ -185,7 +363,7 @@ Swap:                  4 kB
     fn clean_file_pages_leave_rss_and_read_back_the_same() {
         let dir = tempfile::tempdir().unwrap();
         let (addr, len) = map_file(dir.path(), 64, 0xab, libc::PROT_READ);
-        let released = release_file_pages().unwrap();
+        let released = release_range(addr, len);
         assert!(released >= len, "{released} bytes let go");
         // Nothing touches the mapping in between (another test's release
         // can only let go of more).
@@ -205,7 +383,7 @@ Swap:                  4 kB
         // SAFETY: the whole mapping made above.
         let rc = unsafe { libc::mprotect(addr as *mut libc::c_void, len, libc::PROT_READ) };
         assert_eq!(rc, 0);
-        release_file_pages().unwrap();
+        release_range(addr, len);
         let bytes = read_all(addr, len);
         assert_eq!(bytes[0], 0x22, "the written byte is kept, not reverted");
         assert!(bytes[1..].iter().all(|b| *b == 0x11));
