@@ -308,6 +308,8 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
     let subscribed = tether_bench::proc_usage(pid);
     let (cpu_before, rss_subscribed) = (subscribed.cpu_seconds, subscribed.rss_kib);
     let load_cpu_before = tether_bench::proc_usage(load_pid).cpu_seconds;
+    // This process writes the registry files: its CPU shares the cores too.
+    let writer_cpu_before = tether_bench::proc_usage(std::process::id()).cpu_seconds;
 
     // Churn: each change replaces one endpoint of one service.
     let interval = Duration::from_secs_f64(1.0 / args.churn);
@@ -343,6 +345,7 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
     let end = tether_bench::proc_usage(pid);
     let (cpu_after, rss_end) = (end.cpu_seconds, end.rss_kib);
     let load_cpu_after = tether_bench::proc_usage(load_pid).cpu_seconds;
+    let writer_cpu = tether_bench::proc_usage(std::process::id()).cpu_seconds - writer_cpu_before;
     let summary = line_rx
         .recv_timeout(Duration::from_secs_f64(args.settle + 60.0))
         .context("no summary from discovery-load")?;
@@ -424,7 +427,7 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
     println!("memory per subscriber: {per_subscriber:.0} bytes");
     let cpu_per_change = (cpu_after - cpu_before) * 1000.0 / changes.max(1) as f64;
     println!(
-        "control plane CPU during churn: {:.2} s over {:.1} s ({cpu_per_change:.2} ms per change); the subscriber process used {:.2} s; the writer spent {:.2} s writing files",
+        "control plane CPU during churn: {:.2} s over {:.1} s ({cpu_per_change:.2} ms per change); the subscriber process used {:.2} s; the writer (this process) {writer_cpu:.2} s of CPU, {:.2} s writing files",
         cpu_after - cpu_before,
         churn_elapsed.as_secs_f64(),
         load_cpu_after - load_cpu_before,

@@ -91,15 +91,6 @@ struct SubState {
 }
 
 impl Subscription {
-    /// What this subscriber is sent of `snap`: every tier, or only the best.
-    fn view<'a>(&self, snap: &'a PortSnapshot) -> std::borrow::Cow<'a, PortSnapshot> {
-        if self.tiers {
-            std::borrow::Cow::Borrowed(snap)
-        } else {
-            snap.best_tier()
-        }
-    }
-
     #[cfg(test)]
     pub(crate) fn forget_what_was_sent(&self) {
         self.state.lock().unwrap().sent = SentState::default();
@@ -259,22 +250,25 @@ impl Subscriptions {
             subscriptions: subs.len(),
             ..Default::default()
         };
-        let mut checked: HashMap<(SlotKey, u16), (PortSnapshot, u64)> = HashMap::new();
+        // Each slot is compared with the index once; subscribers are compared
+        // with the slot's published state, which they share when they are up
+        // to date (a pointer comparison, not one of every endpoint).
+        let mut checked: HashMap<(SlotKey, u16), Arc<Published>> = HashMap::new();
         for sub in subs {
-            let (snap, version) = checked
+            let published = checked
                 .entry((sub.service.clone(), sub.port))
                 .or_insert_with(|| {
-                    let (snap, version, agrees) = index.check_slot(&sub.service, sub.port);
+                    let (published, agrees) = index.check_slot(&sub.service, sub.port);
                     if !agrees {
                         report.stale_slots += 1;
                     }
-                    (snap, version)
+                    published
                 })
                 .clone();
             let state = sub.state.lock().unwrap();
-            if state.sending || state.version < version {
+            if state.sending || state.version < published.version {
                 report.in_flight += 1;
-            } else if !state.sent.matches(&sub.view(&snap)) {
+            } else if !state.sent.matches(published.view(sub.tiers)) {
                 report.divergent += 1;
                 drop(state);
                 sub.repair.notify_one();

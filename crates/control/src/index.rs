@@ -519,21 +519,23 @@ impl Index {
         slot.subscribe()
     }
 
-    /// The index's state for (key, port), the slot's version, and whether
-    /// the slot agrees with the index. Publishes the index's state into the
-    /// slot when it does not (a repair).
-    pub fn check_slot(&self, key: &SlotKey, port: u16) -> (PortSnapshot, u64, bool) {
+    /// The slot's published state for (key, port) once it agrees with the
+    /// index, and whether it did: a slot that does not is repaired by
+    /// publishing the index's state. Without a slot, the index's state as
+    /// version 0.
+    pub fn check_slot(&self, key: &SlotKey, port: u16) -> (Arc<Published>, bool) {
         let mut inner = self.inner.lock().unwrap();
         let snap = inner.snapshot(key, port);
         match inner.slots.get_mut(key).and_then(|p| p.get_mut(&port)) {
             Some(slot) => {
                 let agrees = slot.borrow().snap == snap;
                 if !agrees {
-                    publish(slot, snap.clone(), Instant::now());
+                    publish(slot, snap, Instant::now());
                 }
-                (snap, slot.borrow().version, agrees)
+                let published = slot.borrow().clone();
+                (published, agrees)
             }
-            None => (snap, 0, true),
+            None => (Arc::new(Published::new(0, Instant::now(), snap)), true),
         }
     }
 
