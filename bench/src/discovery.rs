@@ -350,8 +350,9 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
         .recv_timeout(Duration::from_secs_f64(args.settle + 60.0))
         .context("no summary from discovery-load")?;
     let _ = load.wait();
-    // Every stream is closed now: what the control plane gives back.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Every stream is closed now: what the control plane gives back, once
+    // its next audit (every 10 s by default) has returned freed memory.
+    tokio::time::sleep(Duration::from_secs(11)).await;
     let closed = tether_bench::proc_usage(pid);
     let report: serde_json::Value = serde_json::from_str(&summary)?;
     let server_side = tether_mesh_up::stats::http_get(control.addr("admin"), "/metrics")

@@ -1065,6 +1065,10 @@ struct PreEncoded;
 /// HTTP/2 (tonic's default).
 const YIELD_THRESHOLD: usize = 32 * 1024;
 
+/// The read buffer a `Get` request starts with (it grows for a larger one,
+/// up to the receive limit).
+const REQUEST_BUFFER: usize = 1024;
+
 impl tonic::codec::Codec for PreEncoded {
     type Encode = Bytes;
     type Decode = GetDestination;
@@ -1075,8 +1079,14 @@ impl tonic::codec::Codec for PreEncoded {
         PreEncoded
     }
 
+    /// A `GetDestination` is a path and a token, a few hundred bytes:
+    /// tonic's default 8 KiB read buffer per request, multiplied by a
+    /// burst of thousands of subscriptions, is heap glibc keeps.
     fn decoder(&mut self) -> Self::Decoder {
-        tonic_prost::ProstDecoder::new(tonic::codec::BufferSettings::default())
+        tonic_prost::ProstDecoder::new(tonic::codec::BufferSettings::new(
+            REQUEST_BUFFER,
+            YIELD_THRESHOLD,
+        ))
     }
 }
 
