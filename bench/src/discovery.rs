@@ -138,6 +138,21 @@ fn write_endpoints(dir: &Path, svc: &Service, file: usize) -> anyhow::Result<()>
     Ok(())
 }
 
+/// Seconds the threads of `pid` have spent runnable but waiting for a CPU
+/// (`/proc/PID/task/*/schedstat`, second field): on a shared machine, how
+/// much of a latency is the cores being busy with something else.
+fn run_queue_wait(pid: u32) -> f64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return f64::NAN;
+    };
+    let nanos: u64 = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum();
+    nanos as f64 / 1e9
+}
+
 fn now_stamp() -> String {
     format!(
         "t{}",
@@ -162,6 +177,7 @@ struct Outcome {
     converged: u64,
     cpu_per_change_ms: f64,
     load_cpu_s: f64,
+    cpu_wait_s: f64,
     rss_subscribed_mib: f64,
     rss_closed_mib: f64,
     rss_peak_mib: f64,
@@ -188,7 +204,7 @@ async fn main() -> anyhow::Result<()> {
     println!("\n=== NEW: {}", args.tether.display());
     let new = run(&args, &args.tether).await?;
     println!("\nsame run, NEW / OLD (below 1 is better, except converged):");
-    let rows: [Figure; 12] = [
+    let rows: [Figure; 13] = [
         ("p50 ms", |o| o.p50_ms),
         ("p99 ms", |o| o.p99_ms),
         ("max ms", |o| o.max_ms),
@@ -197,6 +213,7 @@ async fn main() -> anyhow::Result<()> {
         ("converged subscribers", |o| o.converged as f64),
         ("control-plane CPU ms per change", |o| o.cpu_per_change_ms),
         ("subscriber-process CPU s", |o| o.load_cpu_s),
+        ("control plane waiting for a CPU s", |o| o.cpu_wait_s),
         ("RSS with subscribers MiB", |o| o.rss_subscribed_mib),
         ("RSS after streams closed MiB", |o| o.rss_closed_mib),
         ("peak RSS MiB", |o| o.rss_peak_mib),
@@ -310,6 +327,7 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
     let load_cpu_before = tether_bench::proc_usage(load_pid).cpu_seconds;
     // This process writes the registry files: its CPU shares the cores too.
     let writer_cpu_before = tether_bench::proc_usage(std::process::id()).cpu_seconds;
+    let waited_before = run_queue_wait(pid);
 
     // Churn: each change replaces one endpoint of one service.
     let interval = Duration::from_secs_f64(1.0 / args.churn);
@@ -346,6 +364,7 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
     let (cpu_after, rss_end) = (end.cpu_seconds, end.rss_kib);
     let load_cpu_after = tether_bench::proc_usage(load_pid).cpu_seconds;
     let writer_cpu = tether_bench::proc_usage(std::process::id()).cpu_seconds - writer_cpu_before;
+    let waited = run_queue_wait(pid) - waited_before;
     let summary = line_rx
         .recv_timeout(Duration::from_secs_f64(args.settle + 60.0))
         .context("no summary from discovery-load")?;
@@ -434,6 +453,15 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
         load_cpu_after - load_cpu_before,
         write_time.as_secs_f64()
     );
+    println!(
+        "control plane threads waited {waited:.2} s in all for a CPU (runnable, not running) during the churn and the second after; machine load average {}",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     drop(control);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(Outcome {
@@ -445,6 +473,7 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
         converged,
         cpu_per_change_ms: cpu_per_change,
         load_cpu_s: load_cpu_after - load_cpu_before,
+        cpu_wait_s: waited,
         rss_subscribed_mib: mib(rss_subscribed),
         rss_closed_mib: mib(closed.rss_kib),
         rss_peak_mib: mib(closed.peak_rss_kib),
