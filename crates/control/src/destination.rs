@@ -1150,6 +1150,178 @@ mod tests {
             .collect()
     }
 
+    /// What a client knows once it has applied every update it read; an
+    /// update that cannot follow what it was sent before is an error.
+    #[derive(Default)]
+    struct Client {
+        endpoints: BTreeMap<SocketAddr, WeightedAddr>,
+        no_endpoints: Option<bool>,
+    }
+
+    impl Client {
+        fn apply(&mut self, update: Update) -> Result<(), String> {
+            match update.update.unwrap() {
+                update::Update::Add(set) => {
+                    self.no_endpoints = None;
+                    for wa in set.addrs {
+                        let addr = SocketAddr::try_from(wa.addr.unwrap()).unwrap();
+                        if self.endpoints.get(&addr) == Some(&wa) {
+                            return Err(format!("{addr} added again, unchanged"));
+                        }
+                        self.endpoints.insert(addr, wa);
+                    }
+                }
+                update::Update::Remove(set) => {
+                    for a in set.addrs {
+                        let addr = SocketAddr::try_from(a).unwrap();
+                        if self.endpoints.remove(&addr).is_none() {
+                            return Err(format!("{addr} removed, never added"));
+                        }
+                    }
+                }
+                update::Update::NoEndpoints(n) => {
+                    if !self.endpoints.is_empty() {
+                        return Err("NoEndpoints while endpoints are known".into());
+                    }
+                    self.no_endpoints = Some(n.exists);
+                }
+            }
+            Ok(())
+        }
+
+        /// Reads what its stream has ready (an encoded step is there at
+        /// once), or at most `limit` updates.
+        fn read(&mut self, stream: &mut BoxStream<Bytes>, limit: usize) -> Result<(), String> {
+            use futures::FutureExt;
+            for _ in 0..limit {
+                match stream.next().now_or_never() {
+                    Some(Some(update)) => self.apply(Update::decode(update.unwrap()).unwrap())?,
+                    Some(None) => return Err("the stream ended".into()),
+                    None => break,
+                }
+            }
+            Ok(())
+        }
+    }
+
+    /// Subscribers of one slot read at different paces (every update, one
+    /// update now and then, in the middle of a several-update step, after
+    /// joining late, every tier or only the best) while the endpoints
+    /// churn; they share encoded steps where they make the same one. Each
+    /// must end knowing exactly the final state, with no update that
+    /// contradicts what it was sent before.
+    #[tokio::test]
+    async fn subscribers_at_every_pace_converge_on_the_final_state() {
+        use tether_core::registry::{EndpointSpec, MulticlusterMode, PortSpec};
+        let dst = service_with(Subscriptions::default());
+        let key = ServiceKey::new("web", "demo");
+        // 4,500 endpoints with long zone names are two `Add`s: a step of
+        // several updates.
+        let state = |round: u32| {
+            let endpoints = (0..4_500u32)
+                // Each round drops a different fifth and renames a tenth.
+                .filter(|i| !(i + round).is_multiple_of(5))
+                .map(|i| EndpointSpec {
+                    name: Some(format!(
+                        "web-{}-{i:05}",
+                        if i % 10 == round % 10 { round } else { 0 }
+                    )),
+                    zone: Some(format!("{:-<400}", "eu-west-1a")),
+                    ..EndpointSpec::new(SocketAddr::from(([10, 0, (i >> 8) as u8, i as u8], 8080)))
+                })
+                .collect();
+            crate::index::ServiceState {
+                global_id: Some("web-global".into()),
+                mode: Some(MulticlusterMode::Failover),
+                ..crate::index::ServiceState::new(vec![PortSpec::http(80)])
+                    .with_endpoints(endpoints)
+            }
+        };
+        dst.index.set_service(&key, Some(state(0)));
+        // A linked cluster: a client that reads tiers is also sent its
+        // gateway, one that does not is not.
+        let west = || {
+            Some(crate::index::RemoteCluster {
+                priority: 1,
+                gateway: SocketAddr::from(([10, 9, 9, 9], 4001)),
+                gateway_identity: Some("gateway.west".into()),
+                ready: BTreeMap::from([("web-global".to_string(), 3)]),
+            })
+        };
+        dst.index.set_remote("west", west());
+        let web = || SlotKey::Service(key.clone());
+        // (tiers, updates read per round, round it joins in)
+        let paces = [
+            (false, usize::MAX, 0),
+            (false, usize::MAX, 0),
+            (true, usize::MAX, 0),
+            (false, 1, 0),
+            (true, 1, 0),
+            (false, 3, 0),
+            (false, usize::MAX, 4),
+            (true, 1, 7),
+            (false, 0, 0),
+        ];
+        let mut subscribers: Vec<(BoxStream<Bytes>, Client, usize, bool)> = Vec::new();
+        for round in 0..12u32 {
+            for &(tiers, pace, joins) in &paces {
+                if joins == round as usize {
+                    let stream = dst.open(web(), 80, tiers).unwrap();
+                    subscribers.push((stream, Client::default(), pace, tiers));
+                }
+            }
+            for (stream, client, pace, _) in &mut subscribers {
+                client.read(stream, *pace).unwrap();
+            }
+            if round == 0 {
+                let (everything, one) = (&subscribers[0].1, &subscribers[3].1);
+                assert!(
+                    one.endpoints.len() < everything.endpoints.len(),
+                    "a step of several updates"
+                );
+            }
+            if round == 9 {
+                // Nothing anywhere for a while (`NoEndpoints`), then back.
+                dst.index.set_remote("west", None);
+                dst.index
+                    .set_service(&key, Some(state(round).with_endpoints(Vec::new())));
+                for (stream, client, pace, _) in &mut subscribers {
+                    client.read(stream, *pace).unwrap();
+                }
+                // Told whether it was sent endpoints before or joins now.
+                let mut joiner = (dst.open(web(), 80, false).unwrap(), Client::default());
+                joiner.1.read(&mut joiner.0, usize::MAX).unwrap();
+                assert_eq!(joiner.1.no_endpoints, Some(true), "the joiner");
+                assert_eq!(subscribers[0].1.no_endpoints, Some(true));
+                dst.index.set_remote("west", west());
+            }
+            dst.index.set_service(&key, Some(state(round + 1)));
+        }
+        let snap = dst.index.snapshot(&web(), 80);
+        let expected = |tiers: bool| -> BTreeMap<SocketAddr, WeightedAddr> {
+            let view = if tiers {
+                snap.clone()
+            } else {
+                snap.best_tier().into_owned()
+            };
+            view.endpoints
+                .iter()
+                .map(|(a, m)| (*a, weighted_addr(*a, m)))
+                .collect()
+        };
+        assert_ne!(expected(true), expected(false), "the tiers differ");
+        assert_eq!(subscribers.len(), paces.len());
+        for (i, (stream, client, _, tiers)) in subscribers.iter_mut().enumerate() {
+            client.read(stream, usize::MAX).unwrap();
+            assert!(
+                client.endpoints == expected(*tiers),
+                "subscriber {i} (tiers: {tiers}) knows {} endpoints, {} expected",
+                client.endpoints.len(),
+                expected(*tiers).len()
+            );
+        }
+    }
+
     #[test]
     fn diffs_converge_whatever_was_skipped() {
         let key = SlotKey::Service(ServiceKey::new("web", "demo"));
