@@ -1704,6 +1704,25 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_dropped_grpc_stream_gives_back_its_subscription_at_once() {
+        // What the gRPC server does when a client goes away: it drops the
+        // stream, whether idle or in the middle of a step.
+        let dst = service_with(Subscriptions::default());
+        let web = || SlotKey::Service(ServiceKey::new("web", "demo"));
+        let mut idle = dst.open(web(), 80, false).unwrap();
+        idle.next().await.unwrap().unwrap();
+        let unread = dst.open(SlotKey::Service(ServiceKey::new("nope", "demo")), 80, false);
+        assert_eq!(dst.subscriptions.len(), 2);
+        assert_eq!(dst.index.slot_count(), 2);
+        drop(idle);
+        drop(unread);
+        assert!(dst.subscriptions.is_empty());
+        assert_eq!(dst.subscriptions.services(), 0);
+        assert_eq!(dst.index.slot_count(), 0);
+        assert_eq!(dst.metrics.subscribers.get(), 0);
+    }
+
+    #[tokio::test]
     async fn subscriptions_past_the_limit_are_refused() {
         let dst = service_with(Subscriptions::with_limit(2));
         let web = || SlotKey::Service(ServiceKey::new("web", "demo"));
