@@ -1204,6 +1204,27 @@ mod tests {
         }
     }
 
+    /// A subscriber already told `NoEndpoints` steps to a new empty state
+    /// (the port turned opaque) with nothing to send; one joining then must
+    /// still be told `NoEndpoints`, not given the other's empty step.
+    #[tokio::test]
+    async fn a_subscriber_joining_an_empty_slot_is_told_so() {
+        use tether_core::registry::PortSpec;
+        let dst = service_with(Subscriptions::default());
+        let key = ServiceKey::new("web", "demo");
+        let empty = |opaque| crate::index::ServiceState::new(vec![PortSpec { port: 80, opaque }]);
+        dst.index.set_service(&key, Some(empty(false)));
+        let web = || SlotKey::Service(key.clone());
+        let mut first = (dst.open(web(), 80, false).unwrap(), Client::default());
+        first.1.read(&mut first.0, usize::MAX).unwrap();
+        assert_eq!(first.1.no_endpoints, Some(true));
+        dst.index.set_service(&key, Some(empty(true)));
+        first.1.read(&mut first.0, usize::MAX).unwrap();
+        let mut joiner = (dst.open(web(), 80, false).unwrap(), Client::default());
+        joiner.1.read(&mut joiner.0, usize::MAX).unwrap();
+        assert_eq!(joiner.1.no_endpoints, Some(true));
+    }
+
     /// Subscribers of one slot read at different paces (every update, one
     /// update now and then, in the middle of a several-update step, after
     /// joining late, every tier or only the best) while the endpoints
