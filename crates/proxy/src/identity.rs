@@ -42,12 +42,29 @@ pub struct IdentityConfig {
     pub trust_root: PathBuf,
 }
 
+/// The most a token file may hold: a projected ServiceAccount token is a
+/// JWT of 1-2 KiB. It is read at every Certify on the proxy's runtime
+/// thread (its only one, with one worker): a path to something endless
+/// (`/dev/zero`, a growing log) must not be read forever.
+pub const MAX_TOKEN_BYTES: u64 = 64 * 1024;
+
 impl IdentityConfig {
     /// The current token, trimmed.
     pub fn read_token(&self) -> Result<String, String> {
-        std::fs::read_to_string(&self.token_file)
-            .map(|t| t.trim().to_string())
-            .map_err(|e| format!("reading the token file {}: {e}", self.token_file.display()))
+        use std::io::Read;
+        let shown = self.token_file.display();
+        let mut token = Vec::new();
+        std::fs::File::open(&self.token_file)
+            .and_then(|f| f.take(MAX_TOKEN_BYTES + 1).read_to_end(&mut token))
+            .map_err(|e| format!("reading the token file {shown}: {e}"))?;
+        if token.len() as u64 > MAX_TOKEN_BYTES {
+            return Err(format!(
+                "the token file {shown} holds more than {MAX_TOKEN_BYTES} bytes"
+            ));
+        }
+        let token = String::from_utf8(token)
+            .map_err(|_| format!("the token file {shown} is not UTF-8 text"))?;
+        Ok(token.trim().to_string())
     }
 }
 
@@ -313,6 +330,31 @@ mod tests {
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, text).unwrap();
         std::fs::rename(tmp, path).unwrap();
+    }
+
+    /// Read at every Certify on the proxy's runtime thread (its only one,
+    /// with one worker): a token file pointed at something endless must
+    /// not be read forever, and the error names the file and the limit.
+    #[test]
+    fn a_token_file_over_the_limit_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, vec![b'a'; 64 * 1024 + 1]).unwrap();
+        let config = IdentityConfig {
+            name: WEB.into(),
+            token_file: path.clone(),
+            trust_root: dir.path().join("ca.crt"),
+        };
+        let err = match config.read_token() {
+            Ok(token) => panic!("a token of {} bytes read", token.len()),
+            Err(err) => err,
+        };
+        assert!(
+            err.contains(&path.display().to_string()) && err.contains("65536 bytes"),
+            "{err}"
+        );
+        std::fs::write(&path, b" a-token \n").unwrap();
+        assert_eq!(config.read_token().unwrap(), "a-token");
     }
 
     fn count(metrics: &IdentityMetrics, outcome: &str) -> u64 {
