@@ -265,7 +265,10 @@ where
             req.extensions_mut().insert(slot.clone());
         }
         let guard = InFlightGuard::new(&tracker);
-        let fut = service(req);
+        // Boxed: hyper moves the request's future (into its dispatcher, an
+        // HTTP/2 stream's task); a pointer is cheaper to move than the
+        // state machine of a whole proxied request.
+        let fut = Box::pin(service(req));
         async move {
             let rsp = fut.await;
             let (parts, inner) = rsp.into_parts();

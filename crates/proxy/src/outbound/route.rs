@@ -172,13 +172,13 @@ impl Outbound {
             budget: target.logical.retry_budget(),
             route: rule.retry.as_ref(),
         };
-        let routed = self.route(
+        let routed = Box::pin(self.route(
             svc,
             target.authority,
             Request::from_parts(parts, body),
             absolute,
             plan,
-        );
+        ));
         // The route's timeout is the service's one source of truth while a
         // policy is in force (the default route carries the profile's).
         let response_timeout = watch::channel(rule.timeouts.response).1;
@@ -238,7 +238,7 @@ impl Outbound {
                 (None, Some(b)) => b,
                 (None, None) => unreachable!("a request that cannot be retried is sent once"),
             };
-            let attempt = self.attempt(&mut ctx, clone_parts(&parts), attempt_body);
+            let attempt = Box::pin(self.attempt(&mut ctx, clone_parts(&parts), attempt_body));
             let attempt = match route_retry.and_then(|r| r.timeout) {
                 Some(limit) => tokio::time::timeout(limit, attempt)
                     .await
