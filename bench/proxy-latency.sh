@@ -6,9 +6,10 @@
 # Extra arguments go to the harness: --rates R1,R2 --seconds S --reps N
 #   --concurrency C --proxy-arg ARG (repeatable, for every Tether proxy)
 #   --compare-threads N (an extra mTLS pair with --threads N; repeatable)
-#   --compare BINARY (an extra mTLS pair of another tether build, e.g. before a change)
+#   --compare BINARY (an extra mTLS pair of another tether build, e.g. before a change; repeatable)
 #   --perf DIR (perf record the proxies during the first repetition, into DIR/*.data)
 #   --syscalls (count the pairs' system calls per request, by kind, during the first repetition)
+#   --compare-h1 (an extra mTLS pair speaking HTTP/1.1 between the proxies: what HTTP/2 costs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p tether -p tether-bench

@@ -17,8 +17,12 @@
 //! time from `tether proxy` start to `/ready` 200 with its certificate.
 //!
 //! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
-//!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]
-//!          [--perf DIR] [--syscalls]
+//!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
+//!          [--perf DIR] [--syscalls] [--compare-h1]
+//!
+//! `--compare-h1` adds an mTLS pair that speaks HTTP/1.1 between the
+//! proxies (the server proxy registered as not meshed) instead of HTTP/2:
+//! what HTTP/2 between proxies costs, measured, not a supported setting.
 //!
 //! `--compare-threads N` adds an mTLS pair run with `--threads N`;
 //! `--compare BINARY` adds an mTLS pair of another build (say, before a
@@ -56,13 +60,15 @@ struct Args {
     /// Extra arguments for every Tether proxy (e.g. `--threads 2`).
     proxy_args: Vec<String>,
     /// Another `tether` binary (e.g. before a change) run as an extra mTLS pair.
-    compare: Option<PathBuf>,
+    compare: Vec<PathBuf>,
     /// Worker counts run as extra mTLS pairs (`--threads N`).
     compare_threads: Vec<String>,
     /// Where `perf record` writes the first repetition's profiles.
     perf: Option<PathBuf>,
     /// Count system calls per request during the first repetition.
     syscalls: bool,
+    /// Add an mTLS pair that speaks HTTP/1.1 between the proxies.
+    compare_h1: bool,
 }
 
 /// One pair of Tether proxies to measure.
@@ -71,6 +77,9 @@ struct Variant {
     binary: PathBuf,
     tls: bool,
     proxy_args: Vec<String>,
+    /// HTTP/1.1 between the proxies (the endpoint registered as not
+    /// meshed) instead of HTTP/2.
+    h1_between: bool,
 }
 
 fn variants(args: &Args) -> Vec<Variant> {
@@ -79,6 +88,7 @@ fn variants(args: &Args) -> Vec<Variant> {
         binary: binary.to_path_buf(),
         tls,
         proxy_args: args.proxy_args.iter().chain(extra).cloned().collect(),
+        h1_between: false,
     };
     let mut out = vec![
         v("tether", &args.tether, false, &[]),
@@ -92,8 +102,22 @@ fn variants(args: &Args) -> Vec<Variant> {
             &["--threads".into(), n.clone()],
         ));
     }
-    if let Some(before) = &args.compare {
-        out.push(v("before+mTLS", before, true, &[]));
+    for (i, before) in args.compare.iter().enumerate() {
+        // The first is `before`; more are named by their file.
+        let name = match i {
+            0 => "before+mTLS".to_string(),
+            _ => before.file_name().map_or_else(
+                || format!("before{i}"),
+                |n| n.to_string_lossy().into_owned(),
+            ),
+        };
+        out.push(v(&name, before, true, &[]));
+    }
+    if args.compare_h1 {
+        out.push(Variant {
+            h1_between: true,
+            ..v("mTLS,h1", &args.tether, true, &[])
+        });
     }
     out
 }
@@ -106,15 +130,20 @@ fn parse_args() -> anyhow::Result<Args> {
         reps: 3,
         concurrency: 32,
         proxy_args: Vec::new(),
-        compare: None,
+        compare: Vec::new(),
         compare_threads: Vec::new(),
         perf: None,
         syscalls: false,
+        compare_h1: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--syscalls" {
             args.syscalls = true;
+            continue;
+        }
+        if flag == "--compare-h1" {
+            args.compare_h1 = true;
             continue;
         }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
@@ -131,7 +160,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--reps" => args.reps = value.parse().context("--reps")?,
             "--concurrency" => args.concurrency = value.parse().context("--concurrency")?,
             "--proxy-arg" => args.proxy_args.push(value),
-            "--compare" => args.compare = Some(value.into()),
+            "--compare" => args.compare.push(value.into()),
             "--compare-threads" => args.compare_threads.push(value),
             "--perf" => args.perf = Some(value.into()),
             other => bail!("unknown flag {other}"),
@@ -538,6 +567,9 @@ async fn main() -> anyhow::Result<()> {
                 namespace: s("bench"),
                 endpoints: vec![EndpointSpec {
                     identity: variant.tls.then(|| server_id.clone()),
+                    // Not meshed: the client proxy speaks HTTP/1.1 to the
+                    // server proxy (still over mTLS), as to a plain app.
+                    meshed: !variant.h1_between,
                     ..EndpointSpec::new(pair[0].addr("inbound"))
                 }],
             }),
