@@ -692,11 +692,32 @@ struct PerfRecord(std::process::Child);
 
 impl Drop for PerfRecord {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("kill")
-            .args(["-INT", &self.0.id().to_string()])
-            .status();
-        let _ = self.0.wait();
+        stop_perf(&mut self.0);
     }
+}
+
+/// Starts `perf` with `args` on a route's proxies, writing to `out`, and
+/// gives it a moment to attach before the load starts.
+fn start_perf(args: &[&str], route: &Route, out: &Path) -> anyhow::Result<std::process::Child> {
+    let pids: Vec<String> = route.pids.iter().map(u32::to_string).collect();
+    let child = std::process::Command::new("perf")
+        .args(args)
+        .args(["-p", &pids.join(","), "-o"])
+        .arg(out)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting perf {}", args.first().unwrap_or(&"")))?;
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(child)
+}
+
+/// Stops `perf` with SIGINT, so it writes its file, and waits for it.
+fn stop_perf(child: &mut std::process::Child) {
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    let _ = child.wait();
 }
 
 fn profile(
@@ -713,18 +734,12 @@ fn profile(
     }
     ensure_installed("perf", "linux-perf")?;
     std::fs::create_dir_all(dir)?;
-    let pids: Vec<String> = route.pids.iter().map(u32::to_string).collect();
     let out = dir.join(format!("{}-{run}.data", route.name.replace('+', "-")));
-    let child = std::process::Command::new("perf")
-        .args(["record", "-q", "-F", "499", "--call-graph", "dwarf,16384"])
-        .args(["-p", &pids.join(","), "-o"])
-        .arg(&out)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .spawn()
-        .context("starting perf record")?;
-    // perf needs a moment to attach before the load starts.
-    std::thread::sleep(Duration::from_millis(300));
+    let child = start_perf(
+        &["record", "-q", "-F", "499", "--call-graph", "dwarf,16384"],
+        route,
+        &out,
+    )?;
     Ok(Some(PerfRecord(child)))
 }
 
@@ -766,10 +781,7 @@ struct SyscallCount {
 impl SyscallCount {
     /// The counts by kind, the total (`all`) first.
     fn finish(mut self) -> Vec<(String, u64)> {
-        let _ = std::process::Command::new("kill")
-            .args(["-INT", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
+        stop_perf(&mut self.child);
         let text = std::fs::read_to_string(&self.out).unwrap_or_default();
         // CSV: count,unit,event,...
         let mut counts: Vec<(String, u64)> = text
@@ -809,17 +821,8 @@ fn count_syscalls(
             .filter(|k| tracepoints.join(format!("sys_enter_{k}")).exists())
             .map(|k| format!("syscalls:sys_enter_{k}")),
     );
-    let pids: Vec<String> = route.pids.iter().map(u32::to_string).collect();
     let out = dir.join(format!("syscalls-{}.csv", route.name.replace('+', "-")));
-    let child = std::process::Command::new("perf")
-        .args(["stat", "-x", ",", "-e", &events.join(",")])
-        .args(["-p", &pids.join(","), "-o"])
-        .arg(&out)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .spawn()
-        .context("starting perf stat")?;
-    std::thread::sleep(Duration::from_millis(300));
+    let child = start_perf(&["stat", "-x", ",", "-e", &events.join(",")], route, &out)?;
     Ok(Some(SyscallCount { child, out }))
 }
 
