@@ -1027,82 +1027,116 @@ impl tower_service::Service<http::Request<tonic::body::Body>> for DestinationGrp
         if req.uri().path() != GET_PATH {
             return self.profiles.call(req);
         }
-        let get = EncodedGet(self.destination.clone());
-        let limits = (Some(self.max_decoding), Some(self.max_encoding));
+        let destination = self.destination.clone();
+        let (max_decoding, max_encoding) = (self.max_decoding, self.max_encoding);
         Box::pin(async move {
-            let mut grpc = tonic::server::Grpc::new(PreEncoded)
-                .apply_max_message_size_config(limits.0, limits.1);
-            Ok(grpc.server_streaming(get, req).await)
+            let decoder = tonic_prost::ProstDecoder::<GetDestination>::new(
+                tonic::codec::BufferSettings::new(REQUEST_BUFFER, REQUEST_BUFFER),
+            );
+            let mut request = tonic::codec::Streaming::new_request(
+                decoder,
+                req.into_body(),
+                None,
+                Some(max_decoding),
+            );
+            let get = match request.message().await {
+                Ok(Some(get)) => get,
+                Ok(None) => return Ok(Status::internal("Missing request message.").into_http()),
+                Err(status) => return Ok(status.into_http()),
+            };
+            let updates = match destination.open_request(get) {
+                Ok(updates) => updates,
+                Err(status) => return Ok(status.into_http()),
+            };
+            let mut rsp = http::Response::new(tonic::body::Body::new(FramedUpdates {
+                updates: Some(updates),
+                payload: None,
+                max_encoding,
+            }));
+            rsp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/grpc"),
+            );
+            Ok(rsp)
         })
     }
 }
-
-struct EncodedGet(Arc<DestinationService>);
-
-impl tonic::server::ServerStreamingService<GetDestination> for EncodedGet {
-    type Response = Bytes;
-    type ResponseStream = BoxStream<Bytes>;
-    type Future = tonic::codegen::BoxFuture<Response<Self::ResponseStream>, Status>;
-
-    fn call(&mut self, req: Request<GetDestination>) -> Self::Future {
-        let destination = self.0.clone();
-        Box::pin(async move {
-            destination
-                .open_request(req.into_inner())
-                .map(Response::new)
-        })
-    }
-}
-
-/// A codec whose messages out are already encoded: it copies them into the
-/// stream's body as they are. Its buffer starts empty and grows to the
-/// update at hand, so an idle stream holds none (tonic's default is 8 KiB
-/// per stream, for the stream's life).
-#[derive(Clone, Copy, Default)]
-struct PreEncoded;
-
-/// When the encoded updates waiting in a stream's buffer are handed to
-/// HTTP/2 (tonic's default).
-const YIELD_THRESHOLD: usize = 32 * 1024;
 
 /// The read buffer a `Get` request starts with (it grows for a larger one,
-/// up to the receive limit).
+/// up to the receive limit): a `GetDestination` is a path and a token, a
+/// few hundred bytes; tonic's default 8 KiB per request, multiplied by a
+/// burst of thousands of subscriptions, is heap glibc keeps.
 const REQUEST_BUFFER: usize = 1024;
 
-impl tonic::codec::Codec for PreEncoded {
-    type Encode = Bytes;
-    type Decode = GetDestination;
-    type Encoder = PreEncoded;
-    type Decoder = tonic_prost::ProstDecoder<GetDestination>;
+/// Updates up to this size go out in one frame with their gRPC prefix, a
+/// copy HTTP/2 frees once written; a larger one goes out as its shared
+/// bytes themselves, after a frame of its own prefix.
+const COPIED_UPDATE: usize = 16 * 1024;
 
-    fn encoder(&mut self) -> Self::Encoder {
-        PreEncoded
-    }
-
-    /// A `GetDestination` is a path and a token, a few hundred bytes:
-    /// tonic's default 8 KiB read buffer per request, multiplied by a
-    /// burst of thousands of subscriptions, is heap glibc keeps.
-    fn decoder(&mut self) -> Self::Decoder {
-        tonic_prost::ProstDecoder::new(tonic::codec::BufferSettings::new(
-            REQUEST_BUFFER,
-            YIELD_THRESHOLD,
-        ))
-    }
+/// A `Get` stream's response body: each update framed as gRPC frames it
+/// (a 5-byte prefix: not compressed, length), then `grpc-status` in the
+/// trailers. tonic's encoder would copy every update into a buffer of the
+/// stream's own, which keeps the size of the largest update it carried for
+/// the stream's life; here a large update is handed to HTTP/2 as the
+/// bytes every subscriber making the same step shares, and the stream
+/// holds nothing between updates.
+struct FramedUpdates {
+    updates: Option<BoxStream<Bytes>>,
+    /// A large update whose prefix just went out.
+    payload: Option<Bytes>,
+    max_encoding: usize,
 }
 
-impl tonic::codec::Encoder for PreEncoded {
-    type Item = Bytes;
+impl http_body::Body for FramedUpdates {
+    type Data = Bytes;
     type Error = Status;
 
-    fn encode(&mut self, item: Bytes, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), Status> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Status>>> {
         use prost::bytes::BufMut;
-        dst.reserve(item.len());
-        dst.put_slice(&item);
-        Ok(())
+        use std::task::Poll;
+        let this = &mut *self;
+        if let Some(payload) = this.payload.take() {
+            return Poll::Ready(Some(Ok(http_body::Frame::data(payload))));
+        }
+        let Some(updates) = this.updates.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let status = match std::task::ready!(updates.poll_next_unpin(cx)) {
+            Some(Ok(update)) if update.len() <= this.max_encoding => {
+                let mut prefix = [0u8; 5];
+                prefix[1..].copy_from_slice(&(update.len() as u32).to_be_bytes());
+                if update.len() <= COPIED_UPDATE {
+                    let mut frame = prost::bytes::BytesMut::with_capacity(5 + update.len());
+                    frame.put_slice(&prefix);
+                    frame.put_slice(&update);
+                    return Poll::Ready(Some(Ok(http_body::Frame::data(frame.freeze()))));
+                }
+                this.payload = Some(update);
+                return Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::copy_from_slice(
+                    &prefix,
+                )))));
+            }
+            Some(Ok(update)) => Status::out_of_range(format!(
+                "an update of {} bytes exceeds the send limit of {} bytes",
+                update.len(),
+                this.max_encoding
+            )),
+            Some(Err(status)) => status,
+            None => Status::ok(""),
+        };
+        this.updates = None;
+        let mut trailers = http::HeaderMap::new();
+        if status.add_header(&mut trailers).is_err() {
+            let _ = Status::internal("").add_header(&mut trailers);
+        }
+        Poll::Ready(Some(Ok(http_body::Frame::trailers(trailers))))
     }
 
-    fn buffer_settings(&self) -> tonic::codec::BufferSettings {
-        tonic::codec::BufferSettings::new(0, YIELD_THRESHOLD)
+    fn is_end_stream(&self) -> bool {
+        self.updates.is_none() && self.payload.is_none()
     }
 }
 
@@ -1202,6 +1236,83 @@ mod tests {
             }
             Ok(())
         }
+    }
+
+    /// A `Get` over the gRPC service as a client sends it.
+    async fn grpc_get(grpc: &mut DestinationGrpc, path: &str) -> http::Response<tonic::body::Body> {
+        let msg = GetDestination {
+            path: path.into(),
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let mut framed = vec![0u8];
+        framed.extend((msg.len() as u32).to_be_bytes());
+        framed.extend(msg);
+        let req = http::Request::builder()
+            .method("POST")
+            .uri(format!("http://control{GET_PATH}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(tonic::body::Body::new(http_body_util::Full::new(
+                Bytes::from(framed),
+            )))
+            .unwrap();
+        tower_service::Service::call(grpc, req).await.unwrap()
+    }
+
+    /// Reads `body` until it has carried `endpoints` added endpoints:
+    /// the updates, decoded, and the largest data frame.
+    async fn read_adds(body: &mut tonic::body::Body, endpoints: usize) -> (Vec<Update>, Bytes) {
+        use http_body_util::BodyExt;
+        let (mut updates, mut pending, mut largest) = (Vec::new(), Vec::new(), Bytes::new());
+        let mut added = 0;
+        while added < endpoints {
+            let frame = body.frame().await.unwrap().unwrap();
+            let data = frame.into_data().unwrap();
+            if data.len() > largest.len() {
+                largest = data.clone();
+            }
+            pending.extend_from_slice(&data);
+            while pending.len() >= 5 {
+                let len = u32::from_be_bytes(pending[1..5].try_into().unwrap()) as usize;
+                if pending.len() < 5 + len {
+                    break;
+                }
+                let update = Update::decode(&pending[5..5 + len]).unwrap();
+                if let Some(update::Update::Add(set)) = &update.update {
+                    added += set.addrs.len();
+                }
+                updates.push(update);
+                pending.drain(..5 + len);
+            }
+        }
+        (updates, largest)
+    }
+
+    /// The bytes of an update shared by its subscribers go to each stream
+    /// as they are, not copied into a buffer per stream: a copy a stuck
+    /// client holds (HTTP/2 queues it while the window is closed), and a
+    /// buffer tonic's encoder keeps at its largest size for the stream's
+    /// life (about 0.7 MB per subscriber of a 20,000-endpoint service).
+    #[tokio::test]
+    async fn streams_hand_out_the_shared_bytes_of_a_large_update() {
+        let dst = service_with(Subscriptions::default());
+        dst.index
+            .set_service(&ServiceKey::new("web", "demo"), Some(large_service(30_000)));
+        let mut grpc = DestinationGrpc::new(dst, 1 << 20, 4 << 20);
+        let path = "web.demo.svc.cluster.local:80";
+        let mut a = grpc_get(&mut grpc, path).await.into_body();
+        let mut b = grpc_get(&mut grpc, path).await.into_body();
+        let (updates_a, largest_a) = read_adds(&mut a, 30_000).await;
+        let (updates_b, largest_b) = read_adds(&mut b, 30_000).await;
+        assert_eq!(kinds(&updates_a), kinds(&updates_b));
+        assert!(kinds(&updates_a).len() >= 2, "{:?}", kinds(&updates_a));
+        assert!(largest_a.len() > 512 * 1024, "{}", largest_a.len());
+        assert_eq!(
+            largest_a.as_ptr(),
+            largest_b.as_ptr(),
+            "each stream was handed its own copy"
+        );
     }
 
     /// A subscriber already told `NoEndpoints` steps to a new empty state
