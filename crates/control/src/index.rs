@@ -435,14 +435,10 @@ impl Index {
     /// What an intercepted `ip:port` is: the service whose cluster IP it
     /// is, or else that one endpoint.
     pub fn resolve_ip(&self, addr: SocketAddr) -> SlotKey {
-        let inner = self.inner.lock().unwrap();
-        inner
-            .services
-            .iter()
-            .find(|(_, s)| {
-                s.cluster_ip == Some(addr.ip()) && s.ports.iter().any(|p| p.port == addr.port())
-            })
-            .map(|(k, _)| SlotKey::Service(k.clone()))
+        // The first service by name, as `service_by_ip` picks it: the
+        // services map's order differs between replicas.
+        self.service_by_ip(addr)
+            .map(SlotKey::Service)
             .unwrap_or(SlotKey::Endpoint(addr))
     }
 
@@ -942,6 +938,27 @@ mod tests {
             gateway: SocketAddr::from(([10, 9, 9, 9], port)),
             gateway_identity: Some("gateway.x".into()),
             ready: BTreeMap::from([("web-global".to_string(), ready)]),
+        }
+    }
+
+    /// Two services claiming one cluster IP (a registry mid-update, a
+    /// misconfiguration): every replica resolves it to the same one, the
+    /// first by name, whatever its map's order.
+    #[test]
+    fn a_cluster_ip_two_services_claim_resolves_the_same_on_every_replica() {
+        let addr: SocketAddr = "10.96.0.10:80".parse().unwrap();
+        let claiming = || ServiceState {
+            cluster_ip: Some(addr.ip()),
+            ..service(Vec::new())
+        };
+        for _ in 0..32 {
+            let index = Index::new(ControlMetrics::default());
+            index.set_service(&ServiceKey::new("web", "b"), Some(claiming()));
+            index.set_service(&ServiceKey::new("web", "a"), Some(claiming()));
+            assert_eq!(
+                index.resolve_ip(addr),
+                SlotKey::Service(ServiceKey::new("web", "a"))
+            );
         }
     }
 
