@@ -379,3 +379,46 @@ async fn a_silent_control_plane_replica_costs_one_short_wait() {
     );
     drop(silent);
 }
+
+/// A subscriber whose client never opens its flow-control window cannot be
+/// told the stream is over; shutdown waits for it only a bounded time, and
+/// the control plane still exits cleanly (before, it hung until SIGKILL).
+#[tokio::test]
+async fn a_subscriber_that_never_reads_does_not_hold_up_shutdown() {
+    let scratch = Scratch::new();
+    scratch.write(
+        "web.yaml",
+        &service_doc(
+            "web",
+            &[8080],
+            (0..50)
+                .map(|i| EndpointSpec::new(loopback(i, 8080)))
+                .collect(),
+        ),
+    );
+    let mut control = scratch.control().await;
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{}", control.addr("grpc")))
+            .unwrap()
+            .initial_stream_window_size(Some(0))
+            .connect()
+            .await
+            .unwrap();
+    let stalled = DestinationClient::new(channel)
+        .get(GetDestination {
+            path: authority("web", 8080),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+
+    let grace = tether_control::server::SHUTDOWN_DRAIN * 6;
+    let status = control.stop(grace).await.unwrap();
+    assert!(
+        status.success(),
+        "control plane exited with {status:?} (SIGKILLed after {grace:?}?)\n{}",
+        scratch.read_log("control")
+    );
+    drop(stalled);
+}

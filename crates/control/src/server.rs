@@ -138,6 +138,11 @@ pub enum ControlError {
 /// How long a client may take to send the HTTP/2 preface on the gRPC port.
 const PREFACE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 /// HTTP/2 pings on idle gRPC connections, and how long an answer may take.
+/// How long shutdown waits for open streams to end before the control
+/// plane exits anyway. Streams that can take an update end at once; one
+/// whose client never opens its flow-control window is never polled again,
+/// and without this bound it would hold the process until SIGKILL.
+pub const SHUTDOWN_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(20);
 const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -268,9 +273,17 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         crate::channel::incoming(grpc, security, PREFACE_DEADLINE),
         async move { signal.triggered().await },
     );
+    let drained = async {
+        shutdown.triggered().await;
+        tokio::time::sleep(SHUTDOWN_DRAIN).await;
+    };
     tokio::select! {
         res = server => res?,
         res = registry_task => registry_ended(res)?,
+        () = drained => tracing::warn!(
+            "streams still open {}s after shutdown (clients not reading); stopping anyway",
+            SHUTDOWN_DRAIN.as_secs()
+        ),
     }
     tracing::info!("control plane stopped");
     Ok(())
