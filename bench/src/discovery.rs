@@ -455,12 +455,7 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
     );
     println!(
         "control plane threads waited {waited:.2} s in all for a CPU (runnable, not running) during the churn and the second after; machine load average {}",
-        std::fs::read_to_string("/proc/loadavg")
-            .unwrap_or_default()
-            .split_whitespace()
-            .take(3)
-            .collect::<Vec<_>>()
-            .join(" ")
+        tether_bench::loadavg()
     );
     drop(control);
     let _ = std::fs::remove_dir_all(&dir);

@@ -11,6 +11,17 @@ pub struct ProcUsage {
     pub peak_rss_kib: u64,
 }
 
+/// The machine's load average (1, 5, 15 min), printed beside figures so a
+/// reader knows how busy the shared machine was.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// Reads `pid`'s usage; zeros for a process that is gone.
 pub fn proc_usage(pid: u32) -> ProcUsage {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();

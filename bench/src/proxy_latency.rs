@@ -379,16 +379,6 @@ fn nginx_config(dir: &Path, listen: SocketAddr) -> String {
     )
 }
 
-/// The machine's load average, for the record.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
@@ -613,7 +603,7 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "{} cores, load average at start {}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
-        loadavg()
+        tether_bench::loadavg()
     );
     let mut samples: Vec<Samples> = routes
         .iter()
@@ -628,7 +618,7 @@ async fn main() -> anyhow::Result<()> {
             "repetition {} of {} (load {})",
             rep + 1,
             args.reps,
-            loadavg()
+            tether_bench::loadavg()
         );
         for (ri, &rate) in args.rates.iter().enumerate() {
             for (r, sample) in routes.iter().zip(&mut samples) {
@@ -668,7 +658,7 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
-    println!("load average at end {}", loadavg());
+    println!("load average at end {}", tether_bench::loadavg());
     let sums: Vec<Summary> = routes
         .iter()
         .zip(&samples)
