@@ -164,21 +164,10 @@ impl Scratch {
         id_dir: &Path,
         extra: &[&str],
     ) -> Process {
-        let registry = self.registry().display().to_string();
         let id = id_dir.display().to_string();
-        let mut args = vec![
-            "control",
-            "--registry",
-            &registry,
-            "--grpc",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--identity",
-            &id,
-        ];
+        let mut args = vec!["--identity", &id];
         args.extend(extra);
-        self.spawn(name, &args, &["grpc", "admin"]).await
+        self.control_at(name, "127.0.0.1:0", &args).await
     }
 
     /// A control plane on a chosen gRPC address (to restart it in place).
@@ -198,21 +187,7 @@ impl Scratch {
     }
 
     pub async fn control(&self) -> Process {
-        let registry = self.registry().display().to_string();
-        self.spawn(
-            "control",
-            &[
-                "control",
-                "--registry",
-                &registry,
-                "--grpc",
-                "127.0.0.1:0",
-                "--admin",
-                "127.0.0.1:0",
-            ],
-            &["grpc", "admin"],
-        )
-        .await
+        self.control_at("control", "127.0.0.1:0", &[]).await
     }
 
     /// A sidecar; with `app`, also its inbound listener.
