@@ -6,11 +6,13 @@
 # Extra arguments go to the harness: --rates R1,R2 --seconds S --reps N
 #   --concurrency C --proxy-arg ARG (repeatable, for every Tether proxy)
 #   --compare-threads N (an extra mTLS pair with --threads N; repeatable)
-#   --compare BINARY (an extra mTLS pair of another tether build, e.g. before a change; repeatable)
+#   --compare BINARY (an extra mTLS pair of another tether build, e.g. before a change; repeatable;
+#     target/release/tether compares `tether proxy` with the tether-proxy binary the pairs run)
+#   --tether-proxy PATH (the proxy-only binary the Tether pairs run; default target/release/tether-proxy)
 #   --perf DIR (perf record the proxies during the first repetition, into DIR/*.data)
 #   --syscalls (count the pairs' system calls per request, by kind, during the first repetition)
 #   --compare-h1 (an extra mTLS pair speaking HTTP/1.1 between the proxies: what HTTP/2 costs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -q -p tether -p tether-bench
+cargo build --release -q -p tether -p tether-bench -p tether-proxy-cli
 exec target/release/proxy-latency --tether target/release/tether "$@"

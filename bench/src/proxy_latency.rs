@@ -14,11 +14,16 @@
 //!
 //! The medians over the repetitions are printed, then every figure as a
 //! Tether/HAProxy ratio with PASS/FAIL against issue 14's goals, and the
-//! time from `tether proxy` start to `/ready` 200 with its certificate.
+//! time from a proxy's start to `/ready` 200 with its certificate.
 //!
 //! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
-//!          [--perf DIR] [--syscalls] [--compare-h1]
+//!          [--perf DIR] [--syscalls] [--compare-h1] [--tether-proxy PATH]
+//!
+//! The Tether pairs run `tether-proxy`, the proxy-only binary (`--tether-proxy
+//! PATH`; default: beside `--tether`); `--compare target/release/tether`
+//! adds a pair running `tether proxy` of the full binary, same run. The
+//! output names the binary each pair ran.
 //!
 //! `--compare-h1` adds an mTLS pair that speaks HTTP/1.1 between the
 //! proxies (the server proxy registered as not meshed) instead of HTTP/2:
@@ -26,7 +31,9 @@
 //!
 //! `--compare-threads N` adds an mTLS pair run with `--threads N`;
 //! `--compare BINARY` adds an mTLS pair of another build (say, before a
-//! change), so a change's effect is a ratio from one run.
+//! change), so a change's effect is a ratio from one run: a `tether`
+//! binary runs as `tether proxy`, a file named `tether-proxy…` as the
+//! proxy-only binary.
 //!
 //! `--perf DIR` profiles: during the first repetition, every proxy pair's
 //! runs are recorded with `perf record` (call graphs by DWARF unwinding)
@@ -48,18 +55,21 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tether_core::registry::{Document, EndpointSpec, EndpointsDoc, PortSpec, ServiceDoc};
-use tether_mesh_up::process::Process;
+use tether_mesh_up::process::{Process, ProxyCommand};
 use tether_mesh_up::up::write_document;
 
 struct Args {
     tether: PathBuf,
+    /// The proxy-only binary the Tether pairs run (default: beside `tether`).
+    tether_proxy: Option<PathBuf>,
     rates: Vec<f64>,
     seconds: f64,
     reps: usize,
     concurrency: usize,
     /// Extra arguments for every Tether proxy (e.g. `--threads 2`).
     proxy_args: Vec<String>,
-    /// Another `tether` binary (e.g. before a change) run as an extra mTLS pair.
+    /// Another build (e.g. before a change) run as an extra mTLS pair: a
+    /// `tether` binary (`tether proxy`), or a `tether-proxy*` one.
     compare: Vec<PathBuf>,
     /// Worker counts run as extra mTLS pairs (`--threads N`).
     compare_threads: Vec<String>,
@@ -74,7 +84,7 @@ struct Args {
 /// One pair of Tether proxies to measure.
 struct Variant {
     name: String,
-    binary: PathBuf,
+    proxy: ProxyCommand,
     tls: bool,
     proxy_args: Vec<String>,
     /// HTTP/1.1 between the proxies (the endpoint registered as not
@@ -83,21 +93,26 @@ struct Variant {
 }
 
 fn variants(args: &Args) -> Vec<Variant> {
-    let v = |name: &str, binary: &Path, tls: bool, extra: &[String]| Variant {
+    let own = ProxyCommand::proxy_only(
+        args.tether_proxy
+            .clone()
+            .unwrap_or_else(|| args.tether.with_file_name(ProxyCommand::BINARY)),
+    );
+    let v = |name: &str, proxy: &ProxyCommand, tls: bool, extra: &[String]| Variant {
         name: name.to_string(),
-        binary: binary.to_path_buf(),
+        proxy: proxy.clone(),
         tls,
         proxy_args: args.proxy_args.iter().chain(extra).cloned().collect(),
         h1_between: false,
     };
     let mut out = vec![
-        v("tether", &args.tether, false, &[]),
-        v("tether+mTLS", &args.tether, true, &[]),
+        v("tether", &own, false, &[]),
+        v("tether+mTLS", &own, true, &[]),
     ];
     for n in &args.compare_threads {
         out.push(v(
             &format!("mTLS,{n}thr"),
-            &args.tether,
+            &own,
             true,
             &["--threads".into(), n.clone()],
         ));
@@ -111,20 +126,34 @@ fn variants(args: &Args) -> Vec<Variant> {
                 |n| n.to_string_lossy().into_owned(),
             ),
         };
-        out.push(v(&name, before, true, &[]));
+        out.push(v(&name, &compared(before), true, &[]));
     }
     if args.compare_h1 {
         out.push(Variant {
             h1_between: true,
-            ..v("mTLS,h1", &args.tether, true, &[])
+            ..v("mTLS,h1", &own, true, &[])
         });
     }
     out
 }
 
+/// A compared build: `tether-proxy…` files run as the proxy-only binary,
+/// anything else as `tether proxy`.
+fn compared(binary: &Path) -> ProxyCommand {
+    let proxy_only = binary
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().starts_with(ProxyCommand::BINARY));
+    if proxy_only {
+        ProxyCommand::proxy_only(binary.to_path_buf())
+    } else {
+        ProxyCommand::subcommand_of(binary.to_path_buf())
+    }
+}
+
 fn parse_args() -> anyhow::Result<Args> {
     let mut args = Args {
         tether: PathBuf::from("target/release/tether"),
+        tether_proxy: None,
         rates: vec![1000.0, 5000.0],
         seconds: 5.0,
         reps: 3,
@@ -149,6 +178,7 @@ fn parse_args() -> anyhow::Result<Args> {
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--tether" => args.tether = value.into(),
+            "--tether-proxy" => args.tether_proxy = Some(value.into()),
             "--rate" | "--rates" => {
                 args.rates = value
                     .split(',')
@@ -541,8 +571,10 @@ async fn main() -> anyhow::Result<()> {
             let name = format!("{role}-{i}");
             let mut argv = argv;
             tether_mesh_up::process::plaintext_control_plane_without_identity(&mut argv);
+            // `proxy` first was for the line above: the binary decides.
+            let argv = variant.proxy.args(&argv[1..]);
             let started = Instant::now();
-            let p = Process::spawn(&variant.binary, &name, &argv, &log(&name), expect).await?;
+            let p = Process::spawn(variant.proxy.exe(), &name, &argv, &log(&name), expect).await?;
             wait_ready_fine(p.addr("admin")).await?;
             if variant.tls {
                 start_up.push((format!("{} {role}", variant.name), started.elapsed()));
@@ -600,6 +632,9 @@ async fn main() -> anyhow::Result<()> {
             args.proxy_args.join(" ")
         }
     );
+    for variant in &variants(&args) {
+        println!("  {:<12} runs {}", variant.name, variant.proxy.describe());
+    }
     println!(
         "{} cores, load average at start {}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),

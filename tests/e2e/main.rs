@@ -26,6 +26,7 @@ mod multicluster;
 mod outage;
 mod policy;
 mod protocols;
+mod proxy_binary;
 mod registry;
 mod retries;
 mod rotation;

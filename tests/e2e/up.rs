@@ -15,6 +15,14 @@ fn headless_demo_reports_successful_traffic() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("live traffic"), "{stdout}");
+    // The sidecars run the proxy-only binary when it is built beside
+    // `tether` (`cargo test --workspace` builds it), and say so.
+    let proxies = if tether().with_file_name("tether-proxy").is_file() {
+        "proxies:  tether-proxy ("
+    } else {
+        "proxies:  tether proxy ("
+    };
+    assert!(stdout.contains(proxies), "{stdout}");
     let total = stdout
         .lines()
         .find(|l| l.contains("total: requests sent"))

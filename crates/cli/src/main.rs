@@ -3,7 +3,6 @@
 //! configuration they make, are in its module under [`cmd`].
 
 mod cmd;
-mod memory;
 
 use clap::{Parser, Subcommand};
 use tether_admin::Shutdown;
@@ -61,56 +60,17 @@ enum Command {
     Load(demo::LoadArgs),
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    init_tracing();
+    tether_proxy_cli::init_tracing();
     // The data path runs on a sidecar's share of the host, not on every core.
-    let workers = match &cli.command {
+    let data_path_workers = match &cli.command {
         Command::Proxy(args) => Some(args.worker_threads()),
         Command::Gateway(args) => Some(args.worker_threads()),
         _ => None,
     };
-    // One worker runs on the current-thread scheduler: no work-stealing
-    // queues or cross-thread wake-ups, which cost a multi-thread runtime
-    // with one worker measurable CPU per request (docs/performance.md).
-    let mut runtime = match workers {
-        Some(1) => tokio::runtime::Builder::new_current_thread(),
-        _ => tokio::runtime::Builder::new_multi_thread(),
-    };
-    runtime.enable_all();
-    if let Some(n) = workers {
-        tracing::info!("data-path runtime: {n} worker threads");
-        if n > 1 {
-            runtime.worker_threads(n);
-        }
-    }
-    let runtime = runtime.build()?;
-    if workers.is_some() {
-        runtime.spawn(release_startup_pages());
-    }
+    let runtime = tether_proxy_cli::runtime::build(data_path_workers)?;
     runtime.block_on(run(cli))
-}
-
-/// A data-path process lets go of the start-up pages of its binary and
-/// libraries once start-up is over ([`memory`]).
-async fn release_startup_pages() {
-    tokio::time::sleep(memory::RELEASE_STARTUP_PAGES_AFTER).await;
-    match memory::release_file_pages() {
-        Ok(bytes) => tracing::debug!(
-            mapped_mib = bytes >> 20,
-            "let go of start-up pages of the binary and libraries"
-        ),
-        Err(e) => tracing::debug!(error = %e, "could not read this process's mappings"),
-    }
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {

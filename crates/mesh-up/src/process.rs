@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -24,6 +24,69 @@ pub fn plaintext_control_plane_without_identity(args: &mut Vec<String>) {
     let has = |flag: &str| args.iter().any(|a| a == flag);
     if speaks_to_control && !has("--identity") && !has("--insecure-control-plane") {
         args.push("--insecure-control-plane".into());
+    }
+}
+
+/// What runs a sidecar proxy: the `tether-proxy` binary (the proxy alone,
+/// a third of `tether`'s code and a smaller resident set), or `tether proxy`.
+/// Both take the same flags.
+#[derive(Clone, Debug)]
+pub struct ProxyCommand {
+    exe: PathBuf,
+    /// `tether proxy`: the subcommand word goes before the flags.
+    subcommand: bool,
+}
+
+impl ProxyCommand {
+    /// The proxy-only binary's file name.
+    pub const BINARY: &'static str = "tether-proxy";
+
+    /// `tether-proxy` when it sits beside the `tether` binary `tether`
+    /// (`cargo build -p tether-proxy-cli`, or a release archive, puts it
+    /// there), else `tether proxy`.
+    pub fn beside(tether: &Path) -> Self {
+        let own = tether.with_file_name(Self::BINARY);
+        if own.is_file() {
+            Self::proxy_only(own)
+        } else {
+            Self::subcommand_of(tether.to_path_buf())
+        }
+    }
+
+    /// `exe FLAGS`: a `tether-proxy` binary.
+    pub fn proxy_only(exe: PathBuf) -> Self {
+        Self {
+            exe,
+            subcommand: false,
+        }
+    }
+
+    /// `exe proxy FLAGS`: a `tether` binary.
+    pub fn subcommand_of(exe: PathBuf) -> Self {
+        Self {
+            exe,
+            subcommand: true,
+        }
+    }
+
+    pub fn exe(&self) -> &Path {
+        &self.exe
+    }
+
+    /// The command line that runs the proxy with `flags`.
+    pub fn args(&self, flags: &[String]) -> Vec<String> {
+        let word = self.subcommand.then(|| "proxy".to_string());
+        word.into_iter().chain(flags.iter().cloned()).collect()
+    }
+
+    /// Which binary, for people: `tether-proxy (PATH)` or `tether proxy (PATH)`.
+    pub fn describe(&self) -> String {
+        let what = if self.subcommand {
+            "tether proxy"
+        } else {
+            Self::BINARY
+        };
+        format!("{what} ({})", self.exe.display())
     }
 }
 
@@ -126,5 +189,32 @@ impl Process {
                 self.child.wait().await.ok()
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_proxy_only_binary_beside_tether_runs_the_sidecars() {
+        let dir = tempfile::tempdir().unwrap();
+        let tether = dir.path().join("tether");
+        std::fs::write(&tether, "").unwrap();
+        let flags = ["--control".to_string(), "127.0.0.1:8086".to_string()];
+
+        let without = ProxyCommand::beside(&tether);
+        assert_eq!(without.exe(), tether);
+        assert_eq!(
+            without.args(&flags),
+            ["proxy", "--control", "127.0.0.1:8086"]
+        );
+        assert!(without.describe().starts_with("tether proxy ("));
+
+        std::fs::write(dir.path().join("tether-proxy"), "").unwrap();
+        let with = ProxyCommand::beside(&tether);
+        assert_eq!(with.exe(), dir.path().join("tether-proxy"));
+        assert_eq!(with.args(&flags), flags);
+        assert!(with.describe().starts_with("tether-proxy ("));
     }
 }

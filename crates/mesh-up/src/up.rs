@@ -23,7 +23,7 @@ use tokio::io::AsyncBufReadExt;
 
 use crate::loadgen::{self, LoadReport, LoadSpec};
 use crate::manifest::{ClusterSpec, Manifest};
-use crate::process::Process;
+use crate::process::{Process, ProxyCommand};
 use crate::stats;
 use tether_viz::state::{ClusterState, LinkState, MeshState, ProxyState, Role};
 
@@ -48,6 +48,9 @@ fn save_state(state: &MeshState, path: &Path) -> anyhow::Result<()> {
 pub struct UpConfig {
     /// The `tether` binary, to start the pieces.
     pub exe: PathBuf,
+    /// What runs the sidecars: `tether-proxy` beside `exe` when there,
+    /// else `tether proxy` ([`ProxyCommand::beside`]).
+    pub proxy: ProxyCommand,
     pub manifest: Manifest,
     /// Run headless for this long; `None` runs until Ctrl-C.
     pub duration: Option<Duration>,
@@ -146,6 +149,7 @@ struct Replica {
     app_args: Vec<String>,
     app_addr: SocketAddr,
     app: Option<Process>,
+    /// The sidecar's flags (for [`UpConfig::proxy`]).
     sidecar_args: Vec<String>,
     sidecar: Option<Process>,
     inbound: SocketAddr,
@@ -259,16 +263,22 @@ impl Mesh {
 
     /// Restarts a cluster's apps (and sidecars) on their old addresses, then
     /// marks them ready.
-    async fn revive(&mut self, cluster: &str, exe: &Path, logs: &Path) -> anyhow::Result<()> {
+    async fn revive(
+        &mut self,
+        cluster: &str,
+        config: &UpConfig,
+        logs: &Path,
+    ) -> anyhow::Result<()> {
         let c = self.cluster_mut(cluster)?;
         for r in &mut c.replicas {
             if r.sidecar.is_none() {
-                let mut args = r.sidecar_args.clone();
-                if let Some(i) = args.iter().position(|a| a == "--inbound") {
-                    args[i + 1] = r.inbound.to_string();
+                let mut flags = r.sidecar_args.clone();
+                if let Some(i) = flags.iter().position(|a| a == "--inbound") {
+                    flags[i + 1] = r.inbound.to_string();
                 }
                 let log = logs.join(format!("{}-proxy.revived.log", r.name));
                 let name = format!("{}-proxy", r.name);
+                let (exe, args) = (config.proxy.exe(), config.proxy.args(&flags));
                 r.sidecar =
                     Some(Process::spawn(exe, &name, &args, &log, &["inbound", "admin"]).await?);
             }
@@ -278,7 +288,7 @@ impl Mesh {
                     args[i + 1] = r.app_addr.to_string();
                 }
                 let log = logs.join(format!("{}.revived.log", r.name));
-                r.app = Some(Process::spawn(exe, &r.name, &args, &log, &["http"]).await?);
+                r.app = Some(Process::spawn(&config.exe, &r.name, &args, &log, &["http"]).await?);
             }
             write_document(&c.registry, &r.endpoint_file, &r.document(true))?;
         }
@@ -334,6 +344,17 @@ impl Ctx<'_> {
 
     async fn spawn(&self, name: &str, args: &[String], expect: &[&str]) -> anyhow::Result<Process> {
         Process::spawn(&self.config.exe, name, args, &self.log(name), expect).await
+    }
+
+    /// A sidecar proxy with `flags`, run by [`UpConfig::proxy`].
+    async fn spawn_proxy(
+        &self,
+        name: &str,
+        flags: &[String],
+        expect: &[&str],
+    ) -> anyhow::Result<Process> {
+        let (exe, args) = (self.config.proxy.exe(), self.config.proxy.args(flags));
+        Process::spawn(exe, name, &args, &self.log(name), expect).await
     }
 }
 
@@ -477,7 +498,6 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
 
     let proxy_args = |app: Option<SocketAddr>, identity: &str| -> anyhow::Result<Vec<String>> {
         let mut a: Vec<String> = vec![
-            "proxy".into(),
             "--control".into(),
             control_addr.to_string(),
             "--outbound".into(),
@@ -538,7 +558,7 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
             // The control plane answers its inbound policy for this workload.
             sidecar_args.extend(["--workload".into(), format!("{ns}/{replica}")]);
             let proxy = ctx
-                .spawn(
+                .spawn_proxy(
                     &format!("{replica}-proxy"),
                     &sidecar_args,
                     &["outbound", "inbound", "admin", "tap"],
@@ -585,7 +605,7 @@ async fn start_cluster(ctx: &Ctx<'_>, spec: &ClusterSpec, mesh: &mut Mesh) -> an
     }
     let client_id = tether_identity::identity_name("loadgen", &m.namespace, &m.cluster_domain);
     let client = ctx
-        .spawn(
+        .spawn_proxy(
             &format!("{prefix}loadgen-proxy"),
             &proxy_args(None, &client_id)?,
             &["outbound", "admin", "tap"],
@@ -688,6 +708,7 @@ async fn start_and_run(
         None => println!("  identity: off (plaintext between proxies)"),
     }
     println!("  logs:     {}", logs.display());
+    println!("  proxies:  {}", config.proxy.describe());
     // The dashboard reads the state file at every sample: it may start first.
     let state_arg = config.state.display().to_string();
     let dashboard = ctx
@@ -783,7 +804,7 @@ async fn start_and_run(
                     mesh.crash(c, Duration::from_secs_f64(e.detect_after))
                         .await?
                 }
-                (_, _, Some(c)) => mesh.revive(c, &config.exe, logs).await?,
+                (_, _, Some(c)) => mesh.revive(c, config, logs).await?,
                 _ => {}
             }
             continue;
@@ -800,7 +821,7 @@ async fn start_and_run(
             Some(cmd) = commands.recv() => {
                 let done = match cmd {
                     Command::Kill(c) => mesh.kill(&c).await,
-                    Command::Revive(c) => mesh.revive(&c, &config.exe, logs).await,
+                    Command::Revive(c) => mesh.revive(&c, config, logs).await,
                 };
                 if let Err(e) = done {
                     println!(">>> {e}");

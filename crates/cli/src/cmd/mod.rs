@@ -10,7 +10,8 @@ pub mod demo;
 pub mod gateway;
 pub mod identity;
 pub mod ops;
-pub mod proxy;
+/// `tether proxy`: the flags of the `tether-proxy` binary, from its crate.
+pub use tether_proxy_cli::proxy;
 pub mod stat;
 pub mod tap;
 pub mod up;

@@ -42,8 +42,10 @@ impl UpArgs {
             None if self.multicluster => Manifest::multicluster_demo(),
             None => Manifest::demo(),
         };
+        let exe = std::env::current_exe().context("locating the tether binary")?;
         Ok(tether_mesh_up::up::UpConfig {
-            exe: std::env::current_exe().context("locating the tether binary")?,
+            proxy: tether_mesh_up::process::ProxyCommand::beside(&exe),
+            exe,
             manifest,
             duration: self.duration,
             interval: self.interval,

@@ -1,12 +1,12 @@
-//! Resident memory of the data-path processes (`tether proxy`, `tether
-//! gateway`).
+//! Resident memory of the data-path processes (`tether-proxy`, `tether
+//! proxy`, `tether gateway`).
 //!
-//! Four fifths of a proxy's RSS are pages of the `tether` binary itself
-//! (docs/performance.md, "Memory"): the one binary carries the control
-//! plane, the Kubernetes client and the operator tools, and a proxy maps
-//! half of its 21 MiB of code — start-up code it never runs again, and the
-//! neighbours the kernel's fault-around maps beside every hot function —
-//! while it runs 2-2.5 MiB of it under load.
+//! Most of a proxy's RSS are pages of its binary (docs/performance.md,
+//! "Memory"): start-up code it never runs again, and the neighbours the
+//! kernel's fault-around maps beside every hot function. `tether-proxy`
+//! carries only the proxy's code, which is why it ships beside `tether`
+//! (whose control plane, Kubernetes client and operator tools lie between
+//! the proxy's hot functions); both let go of their start-up pages here.
 
 use std::time::Duration;
 

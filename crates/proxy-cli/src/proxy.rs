@@ -1,11 +1,11 @@
-//! `tether proxy`: the sidecar proxy.
+//! The sidecar proxy's flags: `tether-proxy FLAGS` and `tether proxy FLAGS`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use tether_admin::Shutdown;
 
-use super::args::{count, parse_secs, BootstrapArgs, IdentityArgs};
+use crate::args::{count, parse_secs, BootstrapArgs, IdentityArgs};
 
 fn parse_upstream(s: &str) -> Result<(SocketAddr, String), String> {
     let (listen, authority) = s

@@ -1,0 +1,29 @@
+//! `tether-proxy`: the sidecar proxy alone, with `tether proxy`'s flags
+//! and behaviour, in a binary without the control plane, the Kubernetes
+//! client or the operator tools (docs/proxy.md).
+
+use clap::Parser;
+use tether_admin::Shutdown;
+use tether_proxy_cli::proxy::ProxyArgs;
+
+#[derive(Parser)]
+#[command(
+    name = "tether-proxy",
+    version,
+    about = "Tether's sidecar proxy (the same as `tether proxy`)"
+)]
+struct Cli {
+    #[command(flatten)]
+    proxy: ProxyArgs,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tether_proxy_cli::init_tracing();
+    let runtime = tether_proxy_cli::runtime::build(Some(cli.proxy.worker_threads()))?;
+    runtime.block_on(async {
+        let shutdown = Shutdown::default();
+        shutdown.on_signals();
+        cli.proxy.run(shutdown).await
+    })
+}
