@@ -69,7 +69,7 @@ impl PeakEwma {
     /// rather than starved forever.
     fn decayed(&self, now: Instant) -> f64 {
         let idle = now.saturating_duration_since(self.last).as_nanos() as f64;
-        self.estimate_ns * (-idle / DECAY.as_nanos() as f64).exp()
+        self.estimate_ns * exp_neg(idle / DECAY.as_nanos() as f64)
     }
 
     fn observe(&mut self, rtt: Duration, now: Instant) {
@@ -78,11 +78,38 @@ impl PeakEwma {
             self.estimate_ns = rtt;
         } else {
             let elapsed = now.saturating_duration_since(self.last).as_nanos() as f64;
-            let w = (-elapsed / DECAY.as_nanos() as f64).exp();
+            let w = exp_neg(elapsed / DECAY.as_nanos() as f64);
             self.estimate_ns = self.estimate_ns * w + rtt * (1.0 - w);
         }
         self.last = now;
     }
+}
+
+/// e^-x for x ≥ 0 (0 past 708, and for NaN), to 1e-14 of `f64::exp`,
+/// computed here: `f64::exp` calls libm,
+/// and this is the proxy's only per-request use of it; each call brought
+/// ~0.3 MiB of libm's code and tables (the kernel's 64 KiB fault-around
+/// windows) into every client proxy's resident set (docs/performance.md,
+/// "A proxy-only binary").
+fn exp_neg(x: f64) -> f64 {
+    // Below the smallest normal f64 past this (e^-708 ≈ 3.3e-308).
+    if x.is_nan() || x >= 708.0 {
+        return 0.0;
+    }
+    // e^-x = 2^-k · e^-r with k = round(x / ln 2), |r| ≤ ln 2 / 2; ln 2 in
+    // two parts so that r keeps its precision. `as` truncates, and x ≥ 0:
+    // no call to libm's `round`.
+    const LN2_HI: f64 = 6.931_471_803_691_238e-1;
+    const LN2_LO: f64 = 1.908_214_929_270_587_7e-10;
+    let k = (x * std::f64::consts::LOG2_E + 0.5) as u64;
+    let r = (x - k as f64 * LN2_HI) - k as f64 * LN2_LO;
+    // e^-r by its Taylor series to r^14/14!: the rest is < 1e-17 for |r| ≤ 0.35.
+    let mut sum = 1.0;
+    for n in (1..=14u32).rev() {
+        sum = 1.0 - r * sum / f64::from(n);
+    }
+    // 2^-k, k ≤ 1022: a normal f64 built from its exponent bits.
+    sum * f64::from_bits((1023 - k) << 52)
 }
 
 // === impl EndpointHandle ===
@@ -332,6 +359,26 @@ pub fn pick(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exp_neg_is_exp_of_minus_x() {
+        let mut x = 0.0;
+        while x < 708.0 {
+            let (ours, libm) = (exp_neg(x), (-x).exp());
+            assert!(
+                (ours - libm).abs() <= libm * 1e-14,
+                "e^-{x}: {ours} against {libm}"
+            );
+            x += 0.0137;
+        }
+        for x in [0.0, 1e-12, 0.5, 1.0, 10.0, 700.0] {
+            assert!((exp_neg(x) - (-x).exp()).abs() <= (-x).exp() * 1e-14, "{x}");
+        }
+        assert_eq!(exp_neg(0.0), 1.0);
+        assert_eq!(exp_neg(709.0), 0.0);
+        assert_eq!(exp_neg(f64::INFINITY), 0.0);
+        assert_eq!(exp_neg(f64::NAN), 0.0);
+    }
     use std::collections::BTreeSet;
 
     fn handle(port: u16) -> Arc<EndpointHandle> {
