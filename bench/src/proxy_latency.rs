@@ -118,15 +118,24 @@ fn variants(args: &Args) -> Vec<Variant> {
         ));
     }
     for (i, before) in args.compare.iter().enumerate() {
-        // The first is `before`; more are named by their file.
-        let name = match i {
-            0 => "before+mTLS".to_string(),
-            _ => before.file_name().map_or_else(
+        // The first is `before`; more are named by their file (and
+        // `proxy` when run as `tether proxy`, not to be taken for the
+        // plaintext pair).
+        let proxy = compared(before);
+        let name = if i == 0 {
+            "before+mTLS".to_string()
+        } else {
+            let file = before.file_name().map_or_else(
                 || format!("before{i}"),
                 |n| n.to_string_lossy().into_owned(),
-            ),
+            );
+            if proxy.is_proxy_only() {
+                file
+            } else {
+                format!("{file} proxy")
+            }
         };
-        out.push(v(&name, &compared(before), true, &[]));
+        out.push(v(&name, &proxy, true, &[]));
     }
     if args.compare_h1 {
         out.push(Variant {
@@ -347,6 +356,19 @@ fn spawn_peer(program: &str, args: &[&str], log: &Path) -> anyhow::Result<tokio:
 }
 
 /// Installs a Debian package when `program` is missing.
+/// Drops `file`'s pages from the page cache (those no process maps), with
+/// GNU dd's documented `iflag=nocache count=0`.
+fn drop_page_cache(file: &Path) -> anyhow::Result<()> {
+    anyhow::ensure!(file.is_file(), "{} does not exist", file.display());
+    let status = std::process::Command::new("dd")
+        .arg(format!("if={}", file.display()))
+        .args(["iflag=nocache", "count=0", "status=none"])
+        .status()
+        .context("running dd")?;
+    anyhow::ensure!(status.success(), "dd could not read {}", file.display());
+    Ok(())
+}
+
 fn ensure_installed(program: &str, package: &str) -> anyhow::Result<()> {
     let found = std::env::var_os("PATH")
         .map(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
@@ -412,6 +434,17 @@ fn nginx_config(dir: &Path, listen: SocketAddr) -> String {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
+    // Every binary starts from disk, as in a new container: how much of a
+    // binary a process maps around each page it runs (fault-around, large
+    // folios) depends on how its file came into the page cache (a copied
+    // file measured 1-1.5 MiB more than the same bytes written by the
+    // linker), which must not differ between the compared builds.
+    let mut binaries = vec![args.tether.clone()];
+    binaries.extend(variants(&args).iter().map(|v| v.proxy.exe().to_path_buf()));
+    binaries.dedup();
+    for binary in &binaries {
+        drop_page_cache(binary)?;
+    }
     let dir = tempfile_dir()?;
     let registry = dir.join("registry");
     std::fs::create_dir_all(&registry)?;

@@ -73,6 +73,11 @@ impl ProxyCommand {
         &self.exe
     }
 
+    /// Whether this is the `tether-proxy` binary (no subcommand word).
+    pub fn is_proxy_only(&self) -> bool {
+        !self.subcommand
+    }
+
     /// The command line that runs the proxy with `flags`.
     pub fn args(&self, flags: &[String]) -> Vec<String> {
         let word = self.subcommand.then(|| "proxy".to_string());
