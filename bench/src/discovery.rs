@@ -29,7 +29,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
-use tether_core::registry::{Document, EndpointSpec, EndpointsDoc, PortSpec, ServiceDoc};
+use tether_core::registry::{Document, PortSpec, ServiceDoc};
 use tether_mesh_up::process::Process;
 use tether_mesh_up::up::write_document;
 
@@ -122,20 +122,31 @@ fn endpoint_addr(n: u32) -> SocketAddr {
     SocketAddr::new(Ipv4Addr::from(0x0a00_0000 + n).into(), 80)
 }
 
+/// Writes one file of a service's endpoints (to a hidden name, renamed into
+/// place). The YAML is rendered by hand: serde_yaml's emitter cost the
+/// writer as much CPU as parsing costs the control plane, and this process
+/// shares the cores with it. `writes_what_serde_yaml_reads_back` checks the
+/// text means the same document.
 fn write_endpoints(dir: &Path, svc: &Service, file: usize) -> anyhow::Result<()> {
-    let doc = Document::Endpoints(EndpointsDoc {
-        service: svc.name.clone(),
-        namespace: "bench".into(),
-        endpoints: svc.files[file]
-            .iter()
-            .map(|(a, zone)| EndpointSpec {
-                zone: Some(zone.clone()),
-                ..EndpointSpec::new(*a)
-            })
-            .collect(),
-    });
-    write_document(dir, &format!("{}.endpoints-{file}.yaml", svc.name), &doc)?;
+    let name = format!("{}.endpoints-{file}.yaml", svc.name);
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, endpoints_yaml(svc, file))?;
+    std::fs::rename(tmp, dir.join(name))?;
     Ok(())
+}
+
+fn endpoints_yaml(svc: &Service, file: usize) -> String {
+    use std::fmt::Write;
+    let mut text = String::with_capacity(64 + 64 * svc.files[file].len());
+    let _ = write!(
+        text,
+        "kind: Endpoints\nservice: {}\nnamespace: bench\nendpoints:\n",
+        svc.name
+    );
+    for (address, zone) in &svc.files[file] {
+        let _ = write!(text, "- address: {address}\n  zone: {zone}\n");
+    }
+    text
 }
 
 /// Seconds the threads of `pid` have spent runnable but waiting for a CPU
@@ -474,4 +485,38 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
         rss_peak_mib: mib(closed.peak_rss_kib),
         per_subscriber_bytes: per_subscriber,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tether_core::registry::{parse_documents, EndpointSpec, EndpointsDoc};
+
+    #[test]
+    fn writes_what_serde_yaml_reads_back() {
+        let files = vec![VecDeque::from([
+            (endpoint_addr(1), "init".to_string()),
+            (endpoint_addr(2), now_stamp()),
+        ])];
+        let svc = Service {
+            name: "svc-7".into(),
+            files,
+            changes: 0,
+        };
+        let want = Document::Endpoints(EndpointsDoc {
+            service: "svc-7".into(),
+            namespace: "bench".into(),
+            endpoints: svc.files[0]
+                .iter()
+                .map(|(a, zone)| EndpointSpec {
+                    zone: Some(zone.clone()),
+                    ..EndpointSpec::new(*a)
+                })
+                .collect(),
+        });
+        assert_eq!(
+            parse_documents(&endpoints_yaml(&svc, 0)).unwrap(),
+            vec![want]
+        );
+    }
 }

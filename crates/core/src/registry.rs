@@ -18,6 +18,8 @@ use crate::policy::{PolicyDoc, PolicyKind};
 use crate::route::{GrpcRouteDoc, HttpRouteDoc, Route, RouteKind};
 use crate::truncate::{bounded_message, for_log};
 
+mod fast;
+
 /// How a service with a global id uses other clusters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -297,6 +299,15 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, DocumentError> {
         document: 1,
         message,
     })?;
+    if let Some(docs) = fast::endpoints_documents(text) {
+        return Ok(docs);
+    }
+    parse_documents_generally(text)
+}
+
+/// [`parse_documents`] for any document: each read into a `Value` first,
+/// then into its kind's type (errors name the field).
+fn parse_documents_generally(text: &str) -> Result<Vec<Document>, DocumentError> {
     let mut docs = Vec::new();
     for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let document = i + 1;
@@ -665,6 +676,80 @@ endpoints:
         assert!(e.contains("field `endpoints[0].zone`"), "{e}");
     }
 
+    /// The Endpoints fast path is taken for what writers produce, and
+    /// gives what the general path gives.
+    #[test]
+    fn endpoints_documents_take_the_fast_path() {
+        let doc = Document::Endpoints(EndpointsDoc {
+            service: "web".into(),
+            namespace: "demo".into(),
+            endpoints: vec![
+                EndpointSpec {
+                    port: Some(8080),
+                    ready: false,
+                    identity: Some("web.demo.serviceaccount.identity.cluster.local".into()),
+                    zone: Some("t1764489600000000000".into()),
+                    weight: 7,
+                    meshed: false,
+                    name: Some("web-0".into()),
+                    labels: [("app".to_string(), "web".to_string())].into(),
+                    ..EndpointSpec::new("10.0.0.1:4143".parse().unwrap())
+                },
+                EndpointSpec::new("[::1]:80".parse().unwrap()),
+            ],
+        });
+        let text = format!("{}---\n{}", doc.to_yaml(), doc.to_yaml());
+        let fast = fast::endpoints_documents(&text).expect("the fast path reads it");
+        assert_eq!(fast, vec![doc.clone(), doc]);
+        assert_eq!(parse_documents_generally(&text).unwrap(), fast);
+        let flow = "kind: Endpoints\nservice: web\nendpoints: [{address: 10.0.0.1:80}]\n";
+        assert!(fast::endpoints_documents(flow).is_some());
+        assert_eq!(
+            parse_documents(flow).unwrap(),
+            parse_documents_generally(flow).unwrap()
+        );
+    }
+
+    /// What the general path rejects, or reads differently from a direct
+    /// reading (a plain `123` is a number to it, not a zone name), the fast
+    /// path leaves to it: the same errors as before.
+    #[test]
+    fn the_fast_path_leaves_what_it_cannot_read_exactly_to_the_general_path() {
+        let doc = |endpoint: &str| {
+            format!("kind: Endpoints\nservice: web\nendpoints:\n  - address: 10.0.0.1:80\n    {endpoint}\n")
+        };
+        for text in [
+            doc("zone: 123"),
+            doc("name: true"),
+            doc("port: \"80\""),
+            doc("port: ~"),
+            doc("weight: 1.5"),
+            doc("weight: 0"),
+            doc("ready: \"true\""),
+            doc("zone: !custom a"),
+            doc("labels: {app: web, app: db}"),
+            doc("labels: {app: 1}"),
+            doc("address: 10.0.0.1:81"),
+            doc("adress: 10.0.0.1:81"),
+            "kind: Endpoints\nservice: 1\nendpoints: []\n".to_string(),
+            "kind: Endpoints\nservice: web\nservice: db\nendpoints: []\n".to_string(),
+            "kind: Endpoints\nservice: web\nendpoints: ~\n".to_string(),
+            "kind: Endpoints\nservice: web\n".to_string(),
+            "kind: Service\nname: web\nports: [{port: 80}]\n".to_string(),
+            "---\n".to_string(),
+        ] {
+            assert!(fast::endpoints_documents(&text).is_none(), "{text}");
+            assert_eq!(
+                parse_documents(&text),
+                parse_documents_generally(&text),
+                "{text}"
+            );
+        }
+        // A plain number where a name goes is an error, as it always was.
+        let e = error_of(&doc("zone: 123"));
+        assert!(e.contains("endpoints[0].zone"), "{e}");
+    }
+
     mod properties {
         use super::super::*;
         use proptest::prelude::*;
@@ -720,6 +805,69 @@ endpoints:
             proptest::collection::vec(fragment, 0..12).prop_map(|v| v.concat())
         }
 
+        /// Endpoints documents whose fields take every form a scalar may
+        /// take (quoted, plain, numeric, boolean, null, tagged, repeated).
+        fn endpoints_text() -> impl Strategy<Value = String> {
+            let value = prop::sample::select(vec![
+                "web",
+                "\"web\"",
+                "'web'",
+                "80",
+                "\"80\"",
+                "0x50",
+                "-1",
+                "70000",
+                "4294967296",
+                "1.5",
+                "true",
+                "false",
+                "yes",
+                "~",
+                "null",
+                "\"\"",
+                "!t a",
+                "a b",
+                "[a]",
+                "{a: b}",
+                "10.0.0.1:80",
+                "\"10.0.0.1:80\"",
+                "\"[::1]:80\"",
+                "web.demo.cluster.local",
+                "{app: web}",
+                "{app: web, app: db}",
+                "{app: 1}",
+                "{}",
+            ]);
+            let key = prop::sample::select(vec![
+                "address", "port", "ready", "identity", "zone", "weight", "meshed", "name",
+                "labels", "adress", "\"zone\"",
+            ]);
+            let endpoint = (
+                prop::sample::select(vec!["10.0.0.1:80", "10.0.0.2:80", "\"10.0.0.3:80\"", "80"]),
+                proptest::collection::vec((key, value.clone()), 0..5),
+            )
+                .prop_map(|(address, fields)| {
+                    let mut text = format!("  - address: {address}\n");
+                    for (k, v) in fields {
+                        text.push_str(&format!("    {k}: {v}\n"));
+                    }
+                    text
+                });
+            let header = prop::sample::select(vec![
+                "kind: Endpoints\nservice: web\n",
+                "kind: Endpoints\nservice: web\nnamespace: demo\n",
+                "service: web\nkind: Endpoints\n",
+                "kind: Endpoints\nservice: 80\n",
+                "kind: Endpoints\nservice: web\nkind: Endpoints\n",
+                "kind: \"Endpoints\"\nservice: \"web\"\n",
+                "kind: Service\nname: web\nports: [{port: 80}]\n",
+            ]);
+            let document = (header, proptest::collection::vec(endpoint, 0..4)).prop_map(
+                |(header, endpoints)| format!("{header}endpoints:\n{}", endpoints.concat()),
+            );
+            proptest::collection::vec(document, 1..3).prop_map(|docs| docs.join("---\n"))
+        }
+
         proptest! {
             #![proptest_config(ProptestConfig::with_cases(256))]
 
@@ -736,6 +884,15 @@ endpoints:
                 let text = String::from_utf8_lossy(&bytes);
                 if let Err(e) = parse_documents(&text) {
                     prop_assert!(e.to_string().len() < super::MAX_ERROR_BYTES);
+                }
+            }
+
+            /// Whatever Endpoints text the fast path accepts, the general
+            /// path reads the same.
+            #[test]
+            fn the_fast_path_reads_what_the_general_path_reads(text in endpoints_text()) {
+                if let Some(fast) = fast::endpoints_documents(&text) {
+                    prop_assert_eq!(Ok(fast), parse_documents_generally(&text), "{}", text);
                 }
             }
 
