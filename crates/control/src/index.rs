@@ -218,6 +218,9 @@ struct Inner {
     /// One slot per workload an inbound policy stream follows: its labels,
     /// or `None` while no service lists it.
     workload_slots: HashMap<WorkloadKey, watch::Sender<WorkloadState>>,
+    /// How many snapshots were built, for tests of what costs O(endpoints).
+    #[cfg(test)]
+    snapshots_built: std::sync::atomic::AtomicUsize,
 }
 
 /// A workload as inbound policy sees it: its labels, once a service lists
@@ -503,6 +506,12 @@ impl Index {
     /// state at once.
     pub fn subscribe(&self, key: &SlotKey, port: u16) -> SlotReceiver {
         let mut inner = self.inner.lock().unwrap();
+        // A slot that exists holds the state already: building it again is
+        // O(endpoints) per subscriber (100,000 endpoints: 20 subscribers
+        // took 9 s), under the index's lock.
+        if let Some(slot) = inner.slots.get(key).and_then(|p| p.get(&port)) {
+            return slot.subscribe();
+        }
         let snap = inner.snapshot(key, port);
         let slot = inner
             .slots
@@ -693,6 +702,9 @@ impl Inner {
     }
 
     fn snapshot(&self, key: &SlotKey, port: u16) -> PortSnapshot {
+        #[cfg(test)]
+        self.snapshots_built
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match key {
             SlotKey::Global(g) => PortSnapshot {
                 exists: self.by_global.contains_key(g),
@@ -875,6 +887,31 @@ mod tests {
 
     fn service(endpoints: Vec<EndpointSpec>) -> ServiceState {
         ServiceState::new(vec![PortSpec::http(80)]).with_endpoints(endpoints)
+    }
+
+    /// Joining a slot that exists costs no snapshot: its state is there
+    /// (each subscriber of a 100,000-endpoint service once rebuilt it).
+    #[test]
+    fn subscribers_of_an_existing_slot_share_its_state() {
+        let index = Index::new(ControlMetrics::default());
+        let key = ServiceKey::new("web", "demo");
+        index.set_service(&key, Some(service(vec![endpoint("127.0.0.1:1", true)])));
+        let built = || {
+            index
+                .inner
+                .lock()
+                .unwrap()
+                .snapshots_built
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        let slot = SlotKey::Service(key.clone());
+        let first = index.subscribe(&slot, 80);
+        let before = built();
+        let others: Vec<_> = (0..3).map(|_| index.subscribe(&slot, 80)).collect();
+        assert_eq!(built(), before);
+        for other in &others {
+            assert!(Arc::ptr_eq(&other.borrow(), &first.borrow()));
+        }
     }
 
     #[test]
