@@ -3,7 +3,9 @@
 //! Changes are applied per file: only the files named by change events are
 //! re-read, and only the services those files mention are rebuilt, so the
 //! cost of a reload follows the size of the change, not of the registry.
-//! Events arriving within a short window are coalesced into one batch. A
+//! A file renamed into place, closed after writing or removed after a quiet
+//! period is applied at once; the changes that follow within a short window
+//! (a burst) are coalesced into one batch, applied when it closes. A
 //! periodic rescan compares stamps and catches anything the watcher missed
 //! (or dropped when its bounded queue was full). `docs/registry.md` is the
 //! operator's reference for everything below.
@@ -52,7 +54,8 @@ use super::{Registry, RegistryError};
 use crate::index::{Index, ServiceState};
 use crate::metrics::ControlMetrics;
 
-/// How long to keep collecting events after the first one of a burst.
+/// How long a burst's changes are collected into one batch: at most one
+/// batch per window while changes keep coming.
 const COALESCE_WINDOW: Duration = Duration::from_millis(10);
 /// Bound on queued watcher events; beyond it the registry rescans instead.
 const EVENT_QUEUE: usize = 4096;
@@ -755,8 +758,10 @@ fn apply(
 
 /// What the watcher tells the registry loop.
 enum Change {
-    /// A registry file of the directory changed.
-    File(PathBuf),
+    /// A registry file of the directory changed; `whole` when the event
+    /// says the change is complete (renamed into place, closed after
+    /// writing, removed), not a write that may be followed by more.
+    File { path: PathBuf, whole: bool },
     /// A file some registry links resolve to changed.
     Target(PathBuf),
     /// Something a link may go through changed: compare every file.
@@ -838,13 +843,14 @@ impl Registry for FileRegistry {
             if event.need_rescan() {
                 overflow_flag.store(true, Ordering::Relaxed);
             }
+            let whole = is_whole(&event.kind);
             // Our own reads show up as access events; they change nothing.
-            if matches!(event.kind, notify::EventKind::Access(_)) {
+            if matches!(event.kind, notify::EventKind::Access(_)) && !whole {
                 return;
             }
             for path in event.paths {
                 let change = if path.parent() == Some(dir.as_path()) && is_registry_file(&path) {
-                    Change::File(path)
+                    Change::File { path, whole }
                 } else if targets_seen
                     .read()
                     .unwrap_or_else(|e| e.into_inner())
@@ -899,12 +905,13 @@ impl Registry for FileRegistry {
 
         let mut rescan = tokio::time::interval(self.rescan_interval);
         rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_applied: Option<tokio::time::Instant> = None;
         loop {
             let mut batch = BTreeSet::new();
             let mut full = false;
             let mut observed_at = std::time::Instant::now();
             let mut take = |change: Change| match change {
-                Change::File(path) => {
+                Change::File { path, .. } => {
                     batch.insert(path);
                 }
                 Change::Target(target) => {
@@ -923,8 +930,10 @@ impl Registry for FileRegistry {
                 change = rx.recv() => {
                     observed_at = std::time::Instant::now();
                     let Some(change) = change else { return Ok(()) };
+                    let whole = matches!(change, Change::File { whole: true, .. });
                     take(change);
-                    let deadline = tokio::time::Instant::now() + COALESCE_WINDOW;
+                    // A past deadline still takes what is already queued.
+                    let deadline = batch_deadline(whole, last_applied, tokio::time::Instant::now());
                     while let Ok(Some(change)) = tokio::time::timeout_at(deadline, rx.recv()).await {
                         take(change);
                     }
@@ -954,8 +963,43 @@ impl Registry for FileRegistry {
             if !batch.is_empty() {
                 apply(&mut loaded, batch, &index, &self.metrics, observed_at);
                 targets.update(&mut watcher, &mut loaded);
+                last_applied = Some(tokio::time::Instant::now());
             }
         }
+    }
+}
+
+/// Whether an event says a file's change is complete: renamed into place,
+/// closed after writing, removed. A plain write may be followed by more
+/// (an editor writing in place), so it waits out a window.
+fn is_whole(kind: &notify::EventKind) -> bool {
+    use notify::event::{AccessKind, AccessMode, ModifyKind};
+    use notify::EventKind;
+    matches!(
+        kind,
+        EventKind::Modify(ModifyKind::Name(_))
+            | EventKind::Remove(_)
+            | EventKind::Access(AccessKind::Close(AccessMode::Write))
+    )
+}
+
+/// When to close the batch a change seen at `now` opens. A whole file after
+/// a quiet period (nothing applied in the last window) goes out at once: the
+/// window was the floor of every change's latency. Within a burst the batch
+/// closes a window after the previous one was applied, so a burst is one
+/// batch per window whatever its rate. A file still being written gets a
+/// window from now for the rest of its writes.
+fn batch_deadline(
+    whole: bool,
+    last_applied: Option<tokio::time::Instant>,
+    now: tokio::time::Instant,
+) -> tokio::time::Instant {
+    if !whole {
+        return now + COALESCE_WINDOW;
+    }
+    match last_applied {
+        Some(applied) if now < applied + COALESCE_WINDOW => applied + COALESCE_WINDOW,
+        _ => now,
     }
 }
 
@@ -1628,6 +1672,43 @@ mod tests {
         let (loaded, _, metrics) = load_in_order(dir.path(), &["web.yaml"]);
         assert_eq!(metrics.registry_reload_errors.get(), 1);
         assert!(loaded.problems.is_none());
+    }
+
+    /// A renamed-in file after a quiet period goes out at once; a burst is
+    /// one batch per window; a file still being written waits a window.
+    #[test]
+    fn only_bursts_and_files_being_written_wait_for_the_window() {
+        let now = tokio::time::Instant::now();
+        assert_eq!(batch_deadline(true, None, now), now);
+        let long_ago = now - COALESCE_WINDOW * 3;
+        assert_eq!(batch_deadline(true, Some(long_ago), now), now);
+        let just_now = now - COALESCE_WINDOW / 4;
+        assert_eq!(
+            batch_deadline(true, Some(just_now), now),
+            just_now + COALESCE_WINDOW
+        );
+        assert_eq!(batch_deadline(false, None, now), now + COALESCE_WINDOW);
+        assert_eq!(
+            batch_deadline(false, Some(just_now), now),
+            now + COALESCE_WINDOW
+        );
+        use notify::event::{
+            AccessKind, AccessMode, CreateKind, DataChange, ModifyKind, RenameMode,
+        };
+        use notify::EventKind;
+        assert!(is_whole(&EventKind::Modify(ModifyKind::Name(
+            RenameMode::To
+        ))));
+        assert!(is_whole(&EventKind::Access(AccessKind::Close(
+            AccessMode::Write
+        ))));
+        assert!(!is_whole(&EventKind::Modify(ModifyKind::Data(
+            DataChange::Any
+        ))));
+        assert!(!is_whole(&EventKind::Create(CreateKind::File)));
+        assert!(!is_whole(&EventKind::Access(AccessKind::Close(
+            AccessMode::Read
+        ))));
     }
 
     #[test]
