@@ -12,6 +12,7 @@
 #   --perf DIR (perf record the proxies during the first repetition, into DIR/*.data)
 #   --syscalls (count the pairs' system calls per request, by kind, during the first repetition)
 #   --compare-h1 (an extra mTLS pair speaking HTTP/1.1 between the proxies: what HTTP/2 costs)
+#   --allocs (count each proxy's heap allocations and timers per request, with uprobes, during the first repetition)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p tether -p tether-bench -p tether-proxy-cli

@@ -54,6 +54,43 @@ pub fn proc_usage(pid: u32) -> ProcUsage {
     }
 }
 
+/// How the scheduler ran a process's threads (`/proc/PID/task/*/schedstat`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sched {
+    /// Seconds spent runnable but waiting for a CPU: on a shared machine,
+    /// how much of a latency is the cores being busy with something else.
+    pub waited_s: f64,
+    /// Times a thread was put on a CPU (wake-ups, and returns after
+    /// preemption).
+    pub timeslices: u64,
+}
+
+/// Reads `pid`'s scheduling figures; NaN wait for a process that is gone.
+pub fn sched(pid: u32) -> Sched {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Sched {
+            waited_s: f64::NAN,
+            timeslices: 0,
+        };
+    };
+    let mut out = Sched::default();
+    for stat in tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+    {
+        let mut fields = stat.split_whitespace().skip(1);
+        let mut next = || {
+            fields
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        out.waited_s += next() as f64 / 1e9;
+        out.timeslices += next();
+    }
+    out
+}
+
 /// A digest of a set of endpoint addresses (FNV-1a over the sorted
 /// addresses), the same in every process: the discovery bench compares each
 /// subscriber's final view with the registry's without shipping the sets.

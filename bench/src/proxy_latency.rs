@@ -18,7 +18,7 @@
 //!
 //! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
-//!          [--perf DIR] [--syscalls] [--compare-h1] [--tether-proxy PATH]
+//!          [--perf DIR] [--syscalls] [--allocs] [--compare-h1] [--tether-proxy PATH]
 //!
 //! The Tether pairs run `tether-proxy`, the proxy-only binary (`--tether-proxy
 //! PATH`; default: beside `--tether`); `--compare target/release/tether`
@@ -45,8 +45,13 @@
 //! system calls of every pair (`perf stat` on the syscall tracepoints) and
 //! prints them per request, in total and by kind: the largest share of a
 //! Tether proxy's CPU is the kernel's.
+//!
+//! `--allocs` counts, the same way, each proxy's heap allocations and
+//! timers per request (uprobes; see `alloc_probes.rs`).
 
 #![forbid(unsafe_code)]
+
+mod alloc_probes;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -79,6 +84,8 @@ struct Args {
     syscalls: bool,
     /// Add an mTLS pair that speaks HTTP/1.1 between the proxies.
     compare_h1: bool,
+    /// Count allocations and timers per request during the first repetition.
+    allocs: bool,
 }
 
 /// One pair of Tether proxies to measure.
@@ -173,11 +180,16 @@ fn parse_args() -> anyhow::Result<Args> {
         perf: None,
         syscalls: false,
         compare_h1: false,
+        allocs: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--syscalls" {
             args.syscalls = true;
+            continue;
+        }
+        if flag == "--allocs" {
+            args.allocs = true;
             continue;
         }
         if flag == "--compare-h1" {
@@ -287,6 +299,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 struct Fixed {
     p: [f64; 3],
     cpu_per_k: f64,
+    /// Per request, both proxies: µs runnable but waiting for a CPU, and
+    /// times put on a CPU (wake-ups).
+    wait_us: f64,
+    slices: f64,
 }
 
 /// Every repetition's figures for one route.
@@ -301,6 +317,9 @@ struct Samples {
     /// Per rate: system calls per request by kind, the total first
     /// (`--syscalls`, first repetition).
     syscalls: Vec<Vec<(String, f64)>>,
+    /// Per rate, per proxy: allocations and timers per request by kind
+    /// (`--allocs`, first repetition).
+    allocs: Vec<Vec<[Option<f64>; 3]>>,
 }
 
 /// The medians over repetitions.
@@ -322,6 +341,8 @@ impl Samples {
             .map(|reps| Fixed {
                 p: [0, 1, 2].map(|i| median(reps.iter().map(|r| r.p[i]).collect())),
                 cpu_per_k: median(reps.iter().map(|r| r.cpu_per_k).collect()),
+                wait_us: median(reps.iter().map(|r| r.wait_us).collect()),
+                slices: median(reps.iter().map(|r| r.slices).collect()),
             })
             .collect();
         Summary {
@@ -647,6 +668,15 @@ async fn main() -> anyhow::Result<()> {
             .map(|p| tether_bench::proc_usage(*p).cpu_seconds)
             .sum::<f64>()
     };
+    let sched = |r: &Route| {
+        r.pids.iter().map(|p| tether_bench::sched(*p)).fold(
+            tether_bench::Sched::default(),
+            |a, b| tether_bench::Sched {
+                waited_s: a.waited_s + b.waited_s,
+                timeslices: a.timeslices + b.timeslices,
+            },
+        )
+    };
     let per_k = |cpu: f64, rep: &serde_json::Value| {
         cpu / rep["sent"].as_f64().unwrap_or(1.0).max(1.0) * 1000.0
     };
@@ -673,11 +703,13 @@ async fn main() -> anyhow::Result<()> {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         tether_bench::loadavg()
     );
+    let mut probes = alloc_probes::Probes::default();
     let mut samples: Vec<Samples> = routes
         .iter()
         .map(|_| Samples {
             fixed: vec![Vec::new(); args.rates.len()],
             syscalls: vec![Vec::new(); args.rates.len()],
+            allocs: vec![Vec::new(); args.rates.len()],
             ..Samples::default()
         })
         .collect();
@@ -691,9 +723,18 @@ async fn main() -> anyhow::Result<()> {
         for (ri, &rate) in args.rates.iter().enumerate() {
             for (r, sample) in routes.iter().zip(&mut samples) {
                 let before = cpu(r);
+                let sched_before = sched(r);
                 let _perf = profile(&args, rep, r, &rate.to_string())?;
                 let counting = count_syscalls(&args, rep, r, &dir)?;
+                let allocs = count_allocs(&args, rep, r, &dir, &mut probes)?;
                 let report = load(&args, r, Some(rate), args.seconds)?;
+                let sent = report["sent"].as_f64().unwrap_or(1.0).max(1.0);
+                let sched_after = sched(r);
+                sample.allocs[ri].extend(
+                    allocs
+                        .into_iter()
+                        .map(|c| c.finish(stop_perf).map(|n| n.map(|n| n as f64 / sent))),
+                );
                 if let Some(counting) = counting {
                     let sent = report["sent"].as_f64().unwrap_or(1.0).max(1.0);
                     sample.syscalls[ri] = counting
@@ -709,6 +750,11 @@ async fn main() -> anyhow::Result<()> {
                         f(&report, "p999_ms"),
                     ],
                     cpu_per_k: per_k(cpu(r) - before, &report),
+                    wait_us: (sched_after.waited_s - sched_before.waited_s) / sent * 1e6,
+                    slices: sched_after
+                        .timeslices
+                        .saturating_sub(sched_before.timeslices) as f64
+                        / sent,
                 });
             }
         }
@@ -733,8 +779,12 @@ async fn main() -> anyhow::Result<()> {
         .map(|(r, s)| s.summary(&r.pids))
         .collect();
     report(&args, &routes, &sums);
+    report_sched(&args, &routes, &sums);
     if args.syscalls {
         report_syscalls(&args, &routes, &samples);
+    }
+    if args.allocs {
+        report_allocs(&args, &routes, &samples);
     }
     println!("\nstart-up, from spawn to /ready 200 with a certificate (Certify included):");
     for (name, took) in &start_up {
@@ -906,6 +956,65 @@ system calls per request at {rate} req/s, both proxies (first repetition):"
     }
 }
 
+/// One allocation and timer count per proxy of `route` (`--allocs`, first
+/// repetition).
+fn count_allocs(
+    args: &Args,
+    rep: usize,
+    route: &Route,
+    dir: &Path,
+    probes: &mut alloc_probes::Probes,
+) -> anyhow::Result<Vec<alloc_probes::Count>> {
+    if !args.allocs || rep > 0 {
+        return Ok(Vec::new());
+    }
+    ensure_installed("perf", "linux-perf")?;
+    let counts = route
+        .pids
+        .iter()
+        .enumerate()
+        .map(|(i, pid)| {
+            let out = dir.join(format!("allocs-{}-{i}.csv", route.name.replace('+', "-")));
+            alloc_probes::Count::start(probes, *pid, out)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    // As for `perf record`: a moment to attach before the load starts.
+    std::thread::sleep(Duration::from_millis(300));
+    Ok(counts)
+}
+
+fn report_allocs(args: &Args, routes: &[Route], samples: &[Samples]) {
+    for (ri, rate) in args.rates.iter().enumerate() {
+        println!("\nper request at {rate} req/s, client proxy / server proxy (first repetition):");
+        println!(
+            "  {:<12} {:>17} {:>17} {:>17}",
+            "",
+            alloc_probes::KINDS[0],
+            alloc_probes::KINDS[1],
+            alloc_probes::KINDS[2]
+        );
+        for (r, s) in routes.iter().zip(samples) {
+            let per_proxy = &s.allocs[ri];
+            if per_proxy.is_empty() {
+                continue;
+            }
+            let cells: Vec<String> = (0..alloc_probes::KINDS.len())
+                .map(|k| {
+                    per_proxy
+                        .iter()
+                        .map(|c| c[k].map_or("-".to_string(), |n| format!("{n:.1}")))
+                        .collect::<Vec<_>>()
+                        .join(" / ")
+                })
+                .collect();
+            println!(
+                "  {:<12} {:>17} {:>17} {:>17}",
+                r.name, cells[0], cells[1], cells[2]
+            );
+        }
+    }
+}
+
 fn max_secs(args: &Args) -> f64 {
     (args.seconds / 2.0).max(2.0)
 }
@@ -1041,6 +1150,24 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
         );
         let passed = verdicts.iter().filter(|v| **v).count();
         println!("  {:<12} {passed} of {} goals met", r.name, verdicts.len());
+    }
+}
+
+/// Where a tail can come from on a shared machine: how long the proxies
+/// waited for a CPU, and how often they were woken, per request.
+fn report_sched(args: &Args, routes: &[Route], sums: &[Summary]) {
+    println!("\nscheduling per request, both proxies (medians): µs waiting for a CPU, wake-ups");
+    for (r, s) in routes.iter().zip(sums) {
+        if r.pids.is_empty() {
+            continue;
+        }
+        let cells: Vec<String> = args
+            .rates
+            .iter()
+            .zip(&s.fixed)
+            .map(|(rate, x)| format!("at {rate}: {:>6.1} µs, {:>4.2}", x.wait_us, x.slices))
+            .collect();
+        println!("  {:<12} {}", r.name, cells.join("   "));
     }
 }
 
