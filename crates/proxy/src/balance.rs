@@ -247,9 +247,13 @@ impl Drop for InFlight {
 
 // === impl Balancer ===
 
+/// A service's endpoints as one shared list: every request takes it, and
+/// taking it copies nothing.
+pub type Endpoints = Arc<[Arc<EndpointHandle>]>;
+
 struct Inner {
     rx: watch::Receiver<Resolution>,
-    endpoints: Vec<Arc<EndpointHandle>>,
+    endpoints: Endpoints,
 }
 
 /// The endpoints of one service, kept in step with its discovery stream.
@@ -268,7 +272,7 @@ impl Balancer {
         Self {
             inner: Mutex::new(Inner {
                 rx,
-                endpoints: Vec::new(),
+                endpoints: Arc::new([]),
             }),
             connector,
             ejections,
@@ -281,7 +285,7 @@ impl Balancer {
 
     /// The current endpoints, rebuilt if discovery changed. Handles of
     /// endpoints that stay keep their latency estimate and connections.
-    pub fn endpoints(&self) -> Vec<Arc<EndpointHandle>> {
+    pub fn endpoints(&self) -> Endpoints {
         let mut inner = self.inner.lock().unwrap();
         if inner.rx.has_changed().unwrap_or(false) {
             let resolved = inner.rx.borrow_and_update().endpoints.clone();
@@ -298,8 +302,8 @@ impl Balancer {
             };
             let mut old: BTreeMap<SocketAddr, Arc<EndpointHandle>> = inner
                 .endpoints
-                .drain(..)
-                .map(|h| (h.endpoint.addr, h))
+                .iter()
+                .map(|h| (h.endpoint.addr, h.clone()))
                 .collect();
             inner.endpoints = resolved
                 .values()
@@ -325,18 +329,27 @@ pub fn pick(
     endpoints: &[Arc<EndpointHandle>],
     exclude: &[SocketAddr],
 ) -> Option<Arc<EndpointHandle>> {
-    let candidates: Vec<&Arc<EndpointHandle>> = endpoints
-        .iter()
-        .filter(|h| !exclude.contains(&h.endpoint.addr))
-        .collect();
-    let healthy = candidates.iter().copied().filter(|h| h.health.available());
-    let pool: Vec<&Arc<EndpointHandle>> = match healthy.clone().map(|h| h.tier).min() {
-        Some(best) => healthy.filter(|h| h.tier == best).collect(),
-        None => candidates,
+    // Two passes over the endpoints instead of collecting the pool: a pick
+    // per request allocates nothing.
+    let candidates = || {
+        endpoints
+            .iter()
+            .filter(|h| !exclude.contains(&h.endpoint.addr))
     };
-    match pool.len() {
+    let best_tier = candidates()
+        .filter(|h| h.health.available())
+        .map(|h| h.tier)
+        .min();
+    let in_pool = |h: &&Arc<EndpointHandle>| match best_tier {
+        Some(best) => h.health.available() && h.tier == best,
+        None => true,
+    };
+    let pool = || candidates().filter(in_pool);
+    match pool().count() {
         0 => None,
-        1 => Some(pool[0].clone()),
+        // Health may change between the passes (another worker thread):
+        // then any candidate will do, as it would have a moment earlier.
+        1 => pool().next().or_else(|| candidates().next()).cloned(),
         n => {
             let mut rng = rand::rng();
             let a = rng.random_range(0..n);
@@ -344,7 +357,9 @@ pub fn pick(
             if b >= a {
                 b += 1;
             }
-            let (a, b) = (pool[a], pool[b]);
+            let (Some(a), Some(b)) = (pool().nth(a), pool().nth(b)) else {
+                return candidates().next().cloned();
+            };
             let (la, lb) = (a.load(), b.load());
             // Within 1% is a tie; a and b are already in random order.
             Some(if la <= lb * 1.01 {

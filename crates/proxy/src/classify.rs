@@ -10,10 +10,9 @@ use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
 use http::HeaderMap;
-use http_body_util::BodyExt;
 use hyper::body::{Frame, SizeHint};
 
-use crate::http::{status_class, Body};
+use crate::http::{status_class, ReplyBody};
 
 /// `grpc-status`, when present.
 pub fn grpc_status(headers: &HeaderMap) -> Option<u32> {
@@ -26,24 +25,30 @@ pub fn grpc_status(headers: &HeaderMap) -> Option<u32> {
         .ok()
 }
 
-type Record = Box<dyn FnOnce(&'static str) + Send + Sync>;
-
-struct Classified {
-    inner: Body,
-    /// The class if nothing more specific turns up.
-    default_class: &'static str,
-    record: Option<Record>,
+/// What is told a response's class, once, when it is known.
+pub trait Record: Send + Sync + Unpin + 'static {
+    fn record(self, class: &'static str);
 }
 
-impl Classified {
+/// A response body that reports its response's class when its outcome is
+/// known. Named and generic rather than boxed: it is the body type the
+/// proxy's HTTP servers send, so no response is boxed again for it.
+pub struct Classified<R: Record> {
+    inner: ReplyBody,
+    /// The class if nothing more specific turns up.
+    default_class: &'static str,
+    record: Option<R>,
+}
+
+impl<R: Record> Classified<R> {
     fn finish(&mut self, class: &'static str) {
         if let Some(record) = self.record.take() {
-            record(class);
+            record.record(class);
         }
     }
 }
 
-impl hyper::body::Body for Classified {
+impl<R: Record> hyper::body::Body for Classified<R> {
     type Data = Bytes;
     type Error = hyper::Error;
 
@@ -77,18 +82,18 @@ impl hyper::body::Body for Classified {
     }
 }
 
-impl Drop for Classified {
+impl<R: Record> Drop for Classified<R> {
     fn drop(&mut self) {
         let class = self.default_class;
         self.finish(class);
     }
 }
 
-/// Wraps `rsp` so that `record` is called once with its class.
-pub fn classify(
-    rsp: http::Response<Body>,
-    record: impl FnOnce(&'static str) + Send + Sync + 'static,
-) -> http::Response<Body> {
+/// Wraps `rsp` so that `record` is told its class once.
+pub fn classify<R: Record>(
+    rsp: http::Response<ReplyBody>,
+    record: R,
+) -> http::Response<Classified<R>> {
     let grpc = crate::http::is_grpc(rsp.headers());
     let class = match (grpc, grpc_status(rsp.headers())) {
         (true, Some(code)) if code != 0 => "grpc_error",
@@ -98,34 +103,44 @@ pub fn classify(
     let wrapped = Classified {
         inner: body,
         default_class: class,
-        record: Some(Box::new(record)),
+        record: Some(record),
     };
-    http::Response::from_parts(parts, wrapped.boxed())
+    http::Response::from_parts(parts, wrapped)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body_util::BodyExt;
     use std::sync::{Arc, Mutex};
 
-    fn grpc_response(trailer: &str) -> http::Response<Body> {
+    fn grpc_response(trailer: &str) -> http::Response<ReplyBody> {
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", trailer.parse().unwrap());
         let frames = vec![
             Ok::<_, hyper::Error>(Frame::data(Bytes::from_static(b"\\0\\0\\0\\0\\0"))),
             Ok(Frame::trailers(trailers)),
         ];
-        let body = http_body_util::StreamBody::new(futures::stream::iter(frames)).boxed();
+        let body = http_body_util::StreamBody::new(futures::stream::iter(frames))
+            .boxed()
+            .into();
         http::Response::builder()
             .header("content-type", "application/grpc")
             .body(body)
             .unwrap()
     }
 
-    async fn class_of(rsp: http::Response<Body>) -> String {
+    struct Seen(Arc<Mutex<String>>);
+
+    impl Record for Seen {
+        fn record(self, class: &'static str) {
+            *self.0.lock().unwrap() = class.to_string();
+        }
+    }
+
+    async fn class_of(rsp: http::Response<ReplyBody>) -> String {
         let seen = Arc::new(Mutex::new(String::new()));
-        let s = seen.clone();
-        let rsp = classify(rsp, move |c| *s.lock().unwrap() = c.to_string());
+        let rsp = classify(rsp, Seen(seen.clone()));
         let _ = rsp.into_body().collect().await;
         let class = seen.lock().unwrap().clone();
         class
@@ -137,7 +152,7 @@ mod tests {
         assert_eq!(class_of(grpc_response("13")).await, "grpc_error");
         let plain = http::Response::builder()
             .status(503)
-            .body(crate::http::full("x"))
+            .body(crate::http::full("x").into())
             .unwrap();
         assert_eq!(class_of(plain).await, "5xx");
     }

@@ -99,14 +99,18 @@ pub async fn run(config: GatewayConfig, shutdown: Shutdown) -> Result<(), ProxyS
                 let outbound = outbound.clone();
                 async move {
                     let authority = crate::http::request_authority(&req).unwrap_or_default();
-                    let host = authority.rsplit_once(':').map_or(authority.as_str(), |(h, _)| h);
+                    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
                     if !host.ends_with(".global") {
                         return forbidden(format!(
                             "the gateway routes only global ids, not {}",
-                            for_log(&authority)
+                            for_log(authority)
                         ));
                     }
-                    outbound.handle(req, None).await
+                    // Boxed, so the gateway's own refusal above is the same type.
+                    outbound
+                        .handle(req, None)
+                        .await
+                        .map(http_body_util::BodyExt::boxed)
                 }
             };
             serve_http(io, svc, conn).await;

@@ -3,7 +3,7 @@
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode};
-use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use http_body_util::{combinators::BoxBody, BodyExt, Empty, Full};
 
 use crate::errors::ProxyError;
 
@@ -18,11 +18,57 @@ pub enum Proto {
 /// proxy made itself.
 pub type Body = BoxBody<Bytes, hyper::Error>;
 
+/// A response body on its way back to the client: the next hop's, as it
+/// came (most responses: not boxed again on the way), or one the proxy
+/// made or wrapped.
+pub enum ReplyBody {
+    Upstream(crate::client::ResponseBody),
+    Made(Body),
+}
+
+impl From<Body> for ReplyBody {
+    fn from(body: Body) -> Self {
+        ReplyBody::Made(body)
+    }
+}
+
+impl hyper::body::Body for ReplyBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            ReplyBody::Upstream(b) => std::pin::Pin::new(b).poll_frame(cx),
+            ReplyBody::Made(b) => std::pin::Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ReplyBody::Upstream(b) => b.is_end_stream(),
+            ReplyBody::Made(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            ReplyBody::Upstream(b) => b.size_hint(),
+            ReplyBody::Made(b) => b.size_hint(),
+        }
+    }
+}
+
 /// Set by the outbound proxy when it carries an HTTP/1 request over HTTP/2
 /// to a peer proxy; the peer's inbound removes it and speaks HTTP/1 to its
 /// app. linkerd2-proxy's name and values (`linkerd/proxy/http/src/orig_proto.rs`),
 /// so either proxy can be the client of the other.
 pub const ORIG_PROTO: &str = "l5d-orig-proto";
+/// [`ORIG_PROTO`] as a header name: inserting a name given as a `&str`
+/// copies it into a new allocation each time, a static one does not.
+pub const ORIG_PROTO_HEADER: HeaderName = HeaderName::from_static(ORIG_PROTO);
 /// The name Tether used before it adopted linkerd2-proxy's: still read on
 /// inbound (and never passed on) so proxies of both versions interoperate
 /// while a mesh is upgraded. Never sent.
@@ -31,10 +77,12 @@ pub const LEGACY_ORIG_PROTO: &str = "tether-orig-proto";
 pub const PROXY_ERROR: &str = "tether-proxy-error";
 /// The header carrying the client's verified identity to the app.
 pub const CLIENT_ID: &str = "tether-client-id";
+pub const CLIENT_ID_HEADER: HeaderName = HeaderName::from_static(CLIENT_ID);
 /// linkerd2-proxy's name for [`CLIENT_ID`], set beside it: an app moved
 /// from Linkerd keeps trusting it, so a client's own value must never
 /// reach an app, as with linkerd2-proxy.
 pub const L5D_CLIENT_ID: &str = "l5d-client-id";
+pub const L5D_CLIENT_ID_HEADER: HeaderName = HeaderName::from_static(L5D_CLIENT_ID);
 
 /// Request headers whose value the mesh asserts. A value that arrives from
 /// a client is never passed on, on any side: the inbound sets its own, the
@@ -152,9 +200,17 @@ pub fn raw_bad_request(reason: &str) -> Vec<u8> {
 }
 
 pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into())
-        .map_err(|never| match never {})
-        .boxed()
+    let bytes = bytes.into();
+    if bytes.is_empty() {
+        return empty();
+    }
+    Full::new(bytes).map_err(|never| match never {}).boxed()
+}
+
+/// An empty body. Boxing it allocates nothing (it has no size), so a
+/// request without a body (most of them) costs no allocation for it.
+pub fn empty() -> Body {
+    Empty::new().map_err(|never| match never {}).boxed()
 }
 
 /// Connection-specific headers, which HTTP/2 forbids and a proxy must not
@@ -165,15 +221,21 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let upgrade = crate::upgrade::wants_upgrade(headers)
         .then(|| headers.get(header::UPGRADE).cloned())
         .flatten();
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+    // The headers `Connection` names go by their names as text (a name
+    // made from bytes would be copied into an allocation each); its values
+    // are shared, cloning them copies nothing. Usually there is one.
+    let mut connection = headers.get_all(header::CONNECTION).iter();
+    match (connection.next().cloned(), connection.next()) {
+        (None, _) => {}
+        (Some(only), None) => remove_named(headers, &only),
+        (Some(first), Some(_)) => {
+            let all: Vec<HeaderValue> = std::iter::once(first)
+                .chain(headers.get_all(header::CONNECTION).iter().skip(1).cloned())
+                .collect();
+            for value in &all {
+                remove_named(headers, value);
+            }
+        }
     }
     for name in [
         header::CONNECTION,
@@ -192,6 +254,16 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if let Some(protocol) = upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         headers.insert(header::UPGRADE, protocol);
+    }
+}
+
+/// Removes the headers a `Connection` header value names.
+fn remove_named(headers: &mut HeaderMap, connection: &HeaderValue) {
+    let Ok(names) = connection.to_str() else {
+        return;
+    };
+    for name in names.split(',') {
+        headers.remove(name.trim());
     }
 }
 
@@ -276,32 +348,40 @@ pub fn rewrite_for_hop(
     hop: Proto,
     orig: Option<OrigProto>,
 ) -> http::Request<Body> {
-    let pq = parts
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or_else(|| "/".into());
+    // The URI is put together from its parts: the request's own path
+    // (moved, not copied) and the authority parsed once; an authority that
+    // does not parse leaves the request's URI as it came.
+    let mut original = std::mem::take(&mut parts.uri).into_parts();
+    let had_path = original.path_and_query.is_some();
+    let pq = original
+        .path_and_query
+        .take()
+        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+    let absolute = match hop {
+        Proto::Http2 => true,
+        Proto::Http1 => orig.is_some_and(|o| o.absolute_form),
+    };
+    parts.uri = if !absolute {
+        http::Uri::from(pq)
+    } else if let Ok(authority) = http::uri::Authority::try_from(authority) {
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(http::uri::Scheme::HTTP);
+        uri.authority = Some(authority);
+        uri.path_and_query = Some(pq);
+        http::Uri::from_parts(uri).unwrap_or_default()
+    } else {
+        original.path_and_query = had_path.then_some(pq);
+        http::Uri::from_parts(original).unwrap_or_default()
+    };
     match hop {
         Proto::Http2 => {
-            if let Ok(uri) = format!("http://{authority}{pq}").parse() {
-                parts.uri = uri;
-            }
             parts.headers.remove(header::HOST);
             if let Some(orig) = orig {
-                parts.headers.insert(ORIG_PROTO, orig.header_value());
+                parts.headers.insert(ORIG_PROTO_HEADER, orig.header_value());
             }
             parts.version = http::Version::HTTP_2;
         }
         Proto::Http1 => {
-            let absolute = orig.is_some_and(|o| o.absolute_form);
-            let target = if absolute {
-                format!("http://{authority}{pq}")
-            } else {
-                pq
-            };
-            if let Ok(uri) = target.parse() {
-                parts.uri = uri;
-            }
             if let Ok(v) = HeaderValue::from_str(authority) {
                 parts.headers.insert(header::HOST, v);
             }
@@ -316,14 +396,13 @@ pub fn rewrite_for_hop(
 
 /// The authority a request names: absolute-form URI or `:authority`,
 /// else the Host header.
-pub fn request_authority<B>(req: &http::Request<B>) -> Option<String> {
+pub fn request_authority<B>(req: &http::Request<B>) -> Option<&str> {
     if let Some(a) = req.uri().authority() {
-        return Some(a.as_str().to_string());
+        return Some(a.as_str());
     }
     req.headers()
         .get(header::HOST)
         .and_then(|h| h.to_str().ok())
-        .map(str::to_string)
 }
 
 #[cfg(test)]

@@ -34,11 +34,11 @@ use crate::errors::ProxyError;
 use crate::http::Proto;
 use crate::http::{
     error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
-    strip_hop_by_hop_response, strip_mesh_asserted, take_orig_proto, Body, CLIENT_ID,
-    L5D_CLIENT_ID, ORIG_PROTO, PROXY_ERROR,
+    strip_hop_by_hop_response, strip_mesh_asserted, take_orig_proto, ReplyBody, CLIENT_ID_HEADER,
+    L5D_CLIENT_ID_HEADER, ORIG_PROTO, ORIG_PROTO_HEADER, PROXY_ERROR,
 };
 use crate::inbound_policy::{Client, Workload};
-use crate::metrics::{Hop, ProxyMetrics};
+use crate::metrics::{CountedBody, Hop, ProxyMetrics};
 use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
 use crate::tls::{BoxedIo, Connector, TlsMode};
 
@@ -126,6 +126,10 @@ pub struct Inbound {
     /// detection; otherwise only HTTP is.
     opaque: bool,
     authz: Authorizer,
+    /// The metric label of the authority requests named last: an inbound
+    /// sees one authority (its app's service) nearly always, so its label
+    /// is shared rather than copied per request.
+    last_authority: std::sync::Mutex<Arc<str>>,
 }
 
 impl Inbound {
@@ -162,6 +166,7 @@ impl Inbound {
             mode,
             opaque: config.opaque,
             authz,
+            last_authority: std::sync::Mutex::new(config.app.to_string().into()),
         }
     }
 
@@ -301,10 +306,10 @@ impl Inbound {
     }
 
     async fn serve_http<I: crate::tls::Io>(self: Arc<Self>, io: I, hop: Hop, conn: Conn) {
-        let hop = Arc::new(hop);
+        let peer = Arc::new(PeerId::new(hop));
         let svc = move |req| {
-            let (this, hop) = (self.clone(), hop.clone());
-            async move { this.handle(req, &hop).await }
+            let (this, peer) = (self.clone(), peer.clone());
+            async move { this.handle(req, &peer).await }
         };
         serve_http(io, svc, conn).await
     }
@@ -345,14 +350,18 @@ impl Inbound {
         self.refuse(&refusal, peer);
     }
 
-    async fn handle(&self, mut req: Request<Incoming>, hop: &Hop) -> Response<Body> {
+    async fn handle(&self, mut req: Request<Incoming>, peer_id: &PeerId) -> Response<CountedBody> {
+        let hop = &peer_id.hop;
         let start = Instant::now();
         let tapped = self.metrics.tap.request(&req);
         let upgrade = crate::upgrade::take(&mut req);
         let grpc = is_grpc(req.headers());
-        let authority = request_authority(&req).unwrap_or_else(|| self.app.to_string());
+        let authority = match request_authority(&req) {
+            Some(named) => self.authority_label(named),
+            None => self.authority_label(&self.app.to_string()),
+        };
         if req.method() == http::Method::CONNECT {
-            let rsp = error_response(&ProxyError::ConnectUnsupported, grpc);
+            let rsp = error_response(&ProxyError::ConnectUnsupported, grpc).map(ReplyBody::Made);
             return self.metrics.record_response(
                 rsp,
                 "inbound",
@@ -369,7 +378,7 @@ impl Inbound {
             .check_request(&req, &authority, &client_of(hop, peer));
         if let Some(error) = self.refusal(verdict) {
             return self.metrics.record_response(
-                error_response(&error, grpc),
+                error_response(&error, grpc).map(ReplyBody::Made),
                 "inbound",
                 authority,
                 start.elapsed(),
@@ -385,13 +394,9 @@ impl Inbound {
         };
         strip_hop_by_hop(&mut parts.headers);
         strip_mesh_asserted(&mut parts.headers);
-        if let Some(id) = hop
-            .client_id
-            .as_deref()
-            .and_then(|id| HeaderValue::from_str(id).ok())
-        {
-            parts.headers.insert(CLIENT_ID, id.clone());
-            parts.headers.insert(L5D_CLIENT_ID, id);
+        if let Some(id) = &peer_id.header {
+            parts.headers.insert(CLIENT_ID_HEADER, id.clone());
+            parts.headers.insert(L5D_CLIENT_ID_HEADER, id.clone());
         }
         let proto = if orig.is_some() || version != Version::HTTP_2 {
             Proto::Http1
@@ -402,7 +407,7 @@ impl Inbound {
             Ok(conn) => conn
                 .send(rewrite_for_hop(
                     parts,
-                    body.boxed(),
+                    boxed_unless_empty(body),
                     &authority,
                     proto,
                     orig,
@@ -440,15 +445,15 @@ impl Inbound {
                     // would pass it on to its app, so it gets none.
                     parts
                         .headers
-                        .insert(ORIG_PROTO, HeaderValue::from_static("HTTP/1.1"));
+                        .insert(ORIG_PROTO_HEADER, HeaderValue::from_static("HTTP/1.1"));
                 }
-                Response::from_parts(parts, body.boxed())
+                Response::from_parts(parts, ReplyBody::Upstream(body))
             }
             Err(e) => {
                 if let Some(suppressed) = FAILURE_LOG.allow() {
                     tracing::warn!(error = %e, suppressed, "inbound request failed");
                 }
-                error_response(&e, grpc)
+                error_response(&e, grpc).map(ReplyBody::Made)
             }
         };
         if let Some(upgrade) = upgrade {
@@ -462,6 +467,15 @@ impl Inbound {
             hop.clone(),
             tapped,
         )
+    }
+
+    /// `authority` as a shared label, the last one's when it is the same.
+    fn authority_label(&self, authority: &str) -> Arc<str> {
+        let mut last = self.last_authority.lock().unwrap();
+        if **last != *authority {
+            *last = authority.into();
+        }
+        last.clone()
     }
 
     /// What a verdict answers: `Some` error when the request is refused
@@ -539,6 +553,33 @@ impl Inbound {
                 })
                 .inc_by(up + down + prefix.len() as u64);
         }
+    }
+}
+
+/// What a connection's requests carry of its client: the hop, and its
+/// verified identity as a header value, made once per connection.
+struct PeerId {
+    hop: Hop,
+    header: Option<HeaderValue>,
+}
+
+impl PeerId {
+    fn new(hop: Hop) -> Self {
+        let header = hop
+            .client_id
+            .as_deref()
+            .and_then(|id| HeaderValue::from_str(id).ok());
+        Self { hop, header }
+    }
+}
+
+/// A request body to send on: one that has ended already (most requests
+/// have no body) becomes an empty body, which boxing does not allocate.
+fn boxed_unless_empty(body: Incoming) -> crate::http::Body {
+    if hyper::body::Body::is_end_stream(&body) {
+        crate::http::empty()
+    } else {
+        body.boxed()
     }
 }
 

@@ -320,25 +320,25 @@ impl ProxyMetrics {
     /// request by class once its outcome is known (see [`crate::classify`]).
     pub fn record_response(
         &self,
-        rsp: http::Response<crate::http::Body>,
+        rsp: http::Response<crate::http::ReplyBody>,
         direction: &'static str,
-        authority: String,
+        authority: Arc<str>,
         latency: std::time::Duration,
         hop: Hop,
-    ) -> http::Response<crate::http::Body> {
+    ) -> http::Response<CountedBody> {
         self.record_tapped_response(rsp, direction, authority, latency, hop, None)
     }
 
     /// [`Self::record_response`], also reporting a tapped request.
     pub fn record_tapped_response(
         &self,
-        rsp: http::Response<crate::http::Body>,
+        rsp: http::Response<crate::http::ReplyBody>,
         direction: &'static str,
-        authority: String,
+        authority: Arc<str>,
         latency: std::time::Duration,
         hop: Hop,
         tapped: Option<crate::tap::TapRequest>,
-    ) -> http::Response<crate::http::Body> {
+    ) -> http::Response<CountedBody> {
         self.record_routed_response(rsp, direction, authority, None, latency, hop, tapped)
     }
 
@@ -347,14 +347,14 @@ impl ProxyMetrics {
     #[allow(clippy::too_many_arguments)]
     pub fn record_routed_response(
         &self,
-        rsp: http::Response<crate::http::Body>,
+        rsp: http::Response<crate::http::ReplyBody>,
         direction: &'static str,
-        authority: String,
+        authority: Arc<str>,
         route: Option<Arc<str>>,
         latency: std::time::Duration,
         hop: Hop,
         tapped: Option<crate::tap::TapRequest>,
-    ) -> http::Response<crate::http::Body> {
+    ) -> http::Response<CountedBody> {
         let tap_end =
             tapped.and_then(|t| t.respond(&self.tap, direction, &authority, rsp.status(), &hop));
         // A default route has an empty name: it must be the same series as
@@ -362,34 +362,23 @@ impl ProxyMetrics {
         // labels (and Prometheus rejects the whole scrape).
         let route_labels = RouteLabels {
             direction,
-            authority: authority.into(),
+            authority,
             route: route.filter(|r| !r.is_empty()),
         };
         self.latency
             .get_or_create(&route_labels)
             .observe(latency.as_secs_f64());
-        let requests = self.requests.clone();
         let Hop { tls, client_id, .. } = hop;
-        crate::classify::classify(rsp, move |class| {
-            let RouteLabels {
-                direction,
-                authority,
-                route,
-            } = route_labels;
-            requests
-                .get_or_create(&RequestLabels {
-                    direction,
-                    authority,
-                    route,
-                    status_class: class,
-                    tls,
-                    client_id: client_id.filter(|id| !id.is_empty()),
-                })
-                .inc();
-            if let Some(end) = tap_end {
-                end.finish(class);
-            }
-        })
+        crate::classify::classify(
+            rsp,
+            CountOnEnd {
+                requests: self.requests.clone(),
+                route: route_labels,
+                tls,
+                client_id,
+                tap_end,
+            },
+        )
     }
 
     /// Counts a connection as open until the returned guard drops.
@@ -402,6 +391,43 @@ impl ProxyMetrics {
             .clone();
         g.inc();
         ConnectionGuard(g)
+    }
+}
+
+/// The body of every response the proxy's HTTP servers send: counted in
+/// `tether_proxy_requests_total` once its class is known.
+pub type CountedBody = crate::classify::Classified<CountOnEnd>;
+
+/// Counts a response by class (and ends its tap event) when its outcome
+/// is known.
+pub struct CountOnEnd {
+    requests: Family<RequestLabels, Counter>,
+    route: RouteLabels,
+    tls: bool,
+    client_id: Option<Arc<str>>,
+    tap_end: Option<crate::tap::TapEnd>,
+}
+
+impl crate::classify::Record for CountOnEnd {
+    fn record(self, class: &'static str) {
+        let RouteLabels {
+            direction,
+            authority,
+            route,
+        } = self.route;
+        self.requests
+            .get_or_create(&RequestLabels {
+                direction,
+                authority,
+                route,
+                status_class: class,
+                tls: self.tls,
+                client_id: self.client_id.filter(|id| !id.is_empty()),
+            })
+            .inc();
+        if let Some(end) = self.tap_end {
+            end.finish(class);
+        }
     }
 }
 
@@ -431,7 +457,7 @@ mod tests {
         let metrics = ProxyMetrics::default();
         for route in [None, Some("".into())] {
             let rsp = metrics.record_routed_response(
-                http::Response::new(crate::http::full("ok")),
+                http::Response::new(crate::http::full("ok").into()),
                 "outbound",
                 "web:80".into(),
                 route,
@@ -454,7 +480,7 @@ mod tests {
     async fn a_services_route_series_go_with_it() {
         let metrics = ProxyMetrics::default();
         for (authority, route) in [("web:80", "canary"), ("api:80", "canary")] {
-            let rsp = http::Response::new(crate::http::full("ok"));
+            let rsp = http::Response::new(crate::http::full("ok").into());
             let hop = Hop {
                 tls: true,
                 ..Hop::default()

@@ -1180,7 +1180,7 @@ impl Backends {
 
 impl Retry {
     /// Whether the route retries a response like `rsp`.
-    pub fn on_response(&self, rsp: &http::Response<crate::http::Body>) -> bool {
+    pub fn on_response<B>(&self, rsp: &http::Response<B>) -> bool {
         match &self.on {
             RetryOn::Status(ranges) => {
                 let s = rsp.status().as_u16();

@@ -26,7 +26,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tether_admin::Shutdown;
@@ -34,7 +33,6 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 
-use crate::http::Body;
 use crate::metrics::ProxyMetrics;
 
 /// Concurrent HTTP/2 streams per client connection.
@@ -196,13 +194,17 @@ impl Drop for InFlightGuard {
 }
 
 /// A response body that holds its connection's in-flight count until it
-/// ends (a long-lived stream is not an idle connection).
-struct Tracked {
-    inner: Body,
+/// ends (a long-lived stream is not an idle connection). Not boxed: hyper
+/// takes the handler's body type as it is.
+struct Tracked<B> {
+    inner: B,
     _guard: InFlightGuard,
 }
 
-impl hyper::body::Body for Tracked {
+impl<B> hyper::body::Body for Tracked<B>
+where
+    B: hyper::body::Body<Data = Bytes, Error = hyper::Error> + Unpin,
+{
     type Data = Bytes;
     type Error = hyper::Error;
 
@@ -241,11 +243,12 @@ async fn idle_for(in_flight: &InFlight, timeout: Duration) {
 }
 
 /// Serves HTTP/1 or HTTP/2 (detected from the preface) on one connection.
-pub async fn serve_http<I, S, Fut>(io: I, service: S, conn: Conn)
+pub async fn serve_http<I, S, Fut, B>(io: I, service: S, conn: Conn)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Response<Body>> + Send + 'static,
+    Fut: Future<Output = Response<B>> + Send + 'static,
+    B: hyper::body::Body<Data = Bytes, Error = hyper::Error> + Send + Unpin + 'static,
 {
     let Conn {
         mut drain,
@@ -276,7 +279,7 @@ where
                 inner,
                 _guard: guard,
             };
-            Ok::<_, Infallible>(Response::from_parts(parts, body.boxed()))
+            Ok::<_, Infallible>(Response::from_parts(parts, body))
         }
     });
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());

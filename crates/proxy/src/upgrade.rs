@@ -23,8 +23,6 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
-use crate::http::Body;
-
 /// Whether a message's headers offer an upgrade the proxy carries: a
 /// `Connection: upgrade` token and an `Upgrade` other than `h2c`.
 pub fn wants_upgrade(headers: &HeaderMap) -> bool {
@@ -47,11 +45,11 @@ pub fn wants_upgrade(headers: &HeaderMap) -> bool {
 pub const UNASKED_SWITCH: &str =
     "answered 101 Switching Protocols to a request that asked for no upgrade";
 
-/// Whether a response switches protocols though the request (`version`,
-/// `headers`) asked for no upgrade the proxy carries.
-pub fn switched_unasked(version: http::Version, headers: &HeaderMap, status: StatusCode) -> bool {
-    status == StatusCode::SWITCHING_PROTOCOLS
-        && !(version == http::Version::HTTP_11 && wants_upgrade(headers))
+/// Whether a response switches protocols though the request (`version`;
+/// `asked`: whether its headers asked for an upgrade, [`wants_upgrade`])
+/// asked for no upgrade the proxy carries.
+pub fn switched_unasked(version: http::Version, asked: bool, status: StatusCode) -> bool {
+    status == StatusCode::SWITCHING_PROTOCOLS && !(version == http::Version::HTTP_11 && asked)
 }
 
 /// What a tunnel keeps from the connection it came on: its place under
@@ -83,7 +81,7 @@ pub fn take<B>(req: &mut Request<B>) -> Option<Pending> {
 impl Pending {
     /// When the server switched protocols, joins both connections in a
     /// tunnel (spawned; it runs once the response has been written).
-    pub fn splice(self, rsp: &mut Response<Body>) {
+    pub fn splice<B>(self, rsp: &mut Response<B>) {
         if rsp.status() != StatusCode::SWITCHING_PROTOCOLS {
             return;
         }

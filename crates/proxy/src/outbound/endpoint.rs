@@ -7,21 +7,19 @@
 //! (the route retries it elsewhere), rather than hanging on a dead peer.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Instant;
 
 use http::{Request, Response, Version};
-use http_body_util::BodyExt;
 
 use super::service::Service;
 use super::{Outbound, CONNECT_ATTEMPTS};
-use crate::balance::{pick, EndpointHandle};
+use crate::balance::{pick, EndpointHandle, Endpoints};
 use crate::client::EndpointClient;
 use crate::errors::ProxyError;
 use crate::http::Proto;
 use crate::http::{
     rewrite_for_hop, strip_hop_by_hop, strip_hop_by_hop_response, strip_mesh_asserted, Body,
-    OrigProto, ORIG_PROTO, PROXY_ERROR,
+    OrigProto, ReplyBody, ORIG_PROTO, PROXY_ERROR,
 };
 use crate::metrics::Hop;
 
@@ -29,7 +27,7 @@ use crate::metrics::Hop;
 /// offer, those already tried, and how the request came.
 pub(super) struct Attempts<'a> {
     pub svc: &'a Service,
-    pub endpoints: Vec<Arc<EndpointHandle>>,
+    pub endpoints: Endpoints,
     pub tried: Vec<SocketAddr>,
     /// The logical authority (an endpoint may override it for its hop).
     pub authority: &'a str,
@@ -57,7 +55,7 @@ impl Outbound {
         ctx: &mut Attempts<'_>,
         parts: http::request::Parts,
         body: Body,
-    ) -> Result<(Response<Body>, Hop), ProxyError> {
+    ) -> Result<(Response<ReplyBody>, Hop), ProxyError> {
         let Attempts {
             svc,
             ref endpoints,
@@ -68,7 +66,6 @@ impl Outbound {
         } = *ctx;
         // HTTP/2 has no upgrades: an upgrade stays HTTP/1.1 to peers too.
         let upgrade = crate::upgrade::wants_upgrade(&parts.headers);
-        let asked = parts.headers.clone();
         let mut request = Some((parts, body));
         let mut last_error = ProxyError::FailFast;
         for _ in 0..CONNECT_ATTEMPTS {
@@ -117,7 +114,7 @@ impl Outbound {
                 conn.send(req).await.map_err(|e| e.to_string())
             };
             return match answer {
-                Ok(rsp) if crate::upgrade::switched_unasked(version, &asked, rsp.status()) => {
+                Ok(rsp) if crate::upgrade::switched_unasked(version, upgrade, rsp.status()) => {
                     Err(ProxyError::Upstream {
                         addr,
                         reason: crate::upgrade::UNASKED_SWITCH.into(),
@@ -144,7 +141,7 @@ impl Outbound {
                         // Only a peer proxy may say that it, not the app, failed.
                         parts.headers.remove(PROXY_ERROR);
                     }
-                    Ok((Response::from_parts(parts, body.boxed()), hop))
+                    Ok((Response::from_parts(parts, ReplyBody::Upstream(body)), hop))
                 }
                 Err(reason) => {
                     ep.request_failed();
@@ -166,7 +163,7 @@ impl Outbound {
         req: Request<Body>,
         authority: &str,
         carry_http1: bool,
-    ) -> Result<(Response<Body>, bool), ProxyError> {
+    ) -> Result<(Response<ReplyBody>, bool), ProxyError> {
         let addr = client.addr();
         let proto = if req.version() == Version::HTTP_2 {
             Proto::Http2
@@ -177,7 +174,7 @@ impl Outbound {
         strip_hop_by_hop(&mut parts.headers);
         strip_mesh_asserted(&mut parts.headers);
         let orig = carry_http1.then(|| OrigProto::of(parts.version, &parts.uri));
-        let (version, asked) = (parts.version, parts.headers.clone());
+        let (version, asked) = (parts.version, crate::upgrade::wants_upgrade(&parts.headers));
         let conn = client
             .connection(proto)
             .await
@@ -188,7 +185,7 @@ impl Outbound {
             addr,
             reason: e.to_string(),
         })?;
-        if crate::upgrade::switched_unasked(version, &asked, rsp.status()) {
+        if crate::upgrade::switched_unasked(version, asked, rsp.status()) {
             return Err(ProxyError::Upstream {
                 addr,
                 reason: crate::upgrade::UNASKED_SWITCH.into(),
@@ -197,7 +194,7 @@ impl Outbound {
         let (mut parts, body) = rsp.into_parts();
         strip_hop_by_hop_response(parts.status, &mut parts.headers);
         parts.headers.remove(PROXY_ERROR);
-        Ok((Response::from_parts(parts, body.boxed()), tls))
+        Ok((Response::from_parts(parts, ReplyBody::Upstream(body)), tls))
     }
 }
 

@@ -3,6 +3,8 @@
 //! listener's pinned one), bound the wait for response headers by the
 //! service's timeout, and count the response.
 
+use std::borrow::Cow;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::{Method, Request, Response};
@@ -15,57 +17,74 @@ use super::service::effective_timeout;
 use super::Outbound;
 use crate::errors::ProxyError;
 use crate::http::{
-    error_response, is_grpc, request_authority, Body, LEGACY_ORIG_PROTO, ORIG_PROTO,
+    error_response, is_grpc, request_authority, Body, ReplyBody, LEGACY_ORIG_PROTO, ORIG_PROTO,
 };
-use crate::metrics::Hop;
+use crate::metrics::{CountedBody, Hop};
 
 /// Adds the default port and lowercases, so `Web.demo` and `web.demo:80`
-/// share one service.
-pub(super) fn normalize(authority: &str) -> Result<String, ProxyError> {
+/// share one service. An authority already in that form (the usual case)
+/// is borrowed, not copied.
+pub(super) fn normalize(authority: &str) -> Result<Cow<'_, str>, ProxyError> {
     let (host, port) = tether_core::authority::split_host_port(authority).map_err(|e| {
         ProxyError::InvalidAuthority {
             authority: authority.to_string(),
             reason: e.to_string(),
         }
     })?;
-    Ok(format!("{}:{port}", host.to_ascii_lowercase()))
+    // The port as written, when there is one: normal when it is plain
+    // digits without a leading zero (what formatting the number gives).
+    let written_port = authority.get(host.len() + 1..).unwrap_or("");
+    let normal = !host.bytes().any(|b| b.is_ascii_uppercase())
+        && !written_port.is_empty()
+        && !written_port.starts_with('0')
+        && written_port.bytes().all(|b| b.is_ascii_digit());
+    if normal {
+        return Ok(Cow::Borrowed(authority));
+    }
+    Ok(Cow::Owned(format!("{}:{port}", host.to_ascii_lowercase())))
 }
 
 impl Outbound {
-    pub async fn handle(&self, mut req: Request<Incoming>, pinned: Option<&str>) -> Response<Body> {
+    pub async fn handle(
+        &self,
+        mut req: Request<Incoming>,
+        pinned: Option<&str>,
+    ) -> Response<CountedBody> {
         let start = Instant::now();
         let tapped = self.metrics.tap.request(&req);
         let upgrade = crate::upgrade::take(&mut req);
         let grpc = is_grpc(req.headers());
         if req.method() == Method::CONNECT {
-            let rsp = error_response(&ProxyError::ConnectUnsupported, grpc);
+            let rsp = error_response(&ProxyError::ConnectUnsupported, grpc).map(ReplyBody::Made);
             return self.metrics.record_response(
                 rsp,
                 "outbound",
-                String::new(),
+                Arc::from(""),
                 start.elapsed(),
                 Hop::default(),
             );
         }
         let absolute = req.uri().scheme().is_some();
-        let orig_authority = pinned
-            .map(str::to_string)
-            .or_else(|| request_authority(&req));
-        let authority = match &orig_authority {
-            Some(a) => normalize(a),
+        // The service's own copy of its authority names it from here on:
+        // nothing per request is copied for it.
+        let svc = match pinned.or_else(|| request_authority(&req)) {
+            Some(a) => normalize(a).map(|authority| self.service(&authority)),
             None => Err(ProxyError::NoAuthority),
         };
-        let orig_authority = orig_authority.unwrap_or_default();
         let mut route_label = None;
-        let (label, result) = match authority {
-            Ok(authority) => {
-                let svc = self.service(&authority);
+        let (label, result) = match svc {
+            Ok(svc) => {
+                let authority = &*svc.authority;
                 let (req, sent) = notify_when_sent(req);
                 // The steps are boxed: a state machine nested inline is
                 // copied whole each time the request's future moves (hyper
                 // moves it into its dispatcher or a stream's task), and the
                 // route and attempt steps hold several KiB (test below).
-                let policy = Box::pin(svc.policy(self.failfast_timeout)).await;
+                // A policy already in force needs no wait (nor a box for it).
+                let policy = match svc.settled_policy() {
+                    Some(policy) => Ok(policy),
+                    None => Box::pin(svc.policy(self.failfast_timeout)).await,
+                };
                 let routes = match &policy {
                     Ok(p) => Ok(p.as_deref().and_then(|p| p.routes(route_version(&req)))),
                     Err(e) => Err(e.clone()),
@@ -74,23 +93,28 @@ impl Outbound {
                     Err(e) => Err(e),
                     // No policy (yet), or not HTTP: the default path.
                     Ok(None) => {
-                        let profile = svc.response_timeout();
+                        let profile = TimeoutSource::Profile(svc.response_timeout());
                         let plan = RetryPlan {
                             budget: svc.retry_budget(),
                             route: None,
                         };
-                        let routed = self.route(svc.clone(), &authority, req, absolute, plan);
+                        let routed = self.route(svc.clone(), authority, req, absolute, plan);
                         Box::pin(self.within_response_timeout(routed, profile, sent)).await
                     }
                     Ok(Some(routes)) => {
-                        let host = authority.rsplit_once(':').map_or(&*authority, |(h, _)| h);
+                        let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
                         match crate::policy::select(routes, &req, host) {
-                            None => Err(ProxyError::NoRoute(authority.clone())),
+                            None => Err(ProxyError::NoRoute(authority.to_string())),
                             Some(selected) => {
                                 route_label = Some(svc.route_label(&selected.route.name));
+                                // As the request named it, for redirects.
+                                let orig_authority = pinned
+                                    .or_else(|| request_authority(&req))
+                                    .unwrap_or_default()
+                                    .to_string();
                                 let target = RouteTarget {
                                     logical: &svc,
-                                    authority: &authority,
+                                    authority,
                                     orig_authority: &orig_authority,
                                 };
                                 Box::pin(self.follow_route(target, selected, req, sent, absolute))
@@ -99,9 +123,9 @@ impl Outbound {
                         }
                     }
                 };
-                (authority, result)
+                (svc.authority.clone(), result)
             }
-            Err(e) => ("".to_string(), Err(e)),
+            Err(e) => (Arc::from(""), Err(e)),
         };
         let (mut rsp, hop) = result.unwrap_or_else(|e| {
             tracing::debug!(authority = %label, error = %e, "outbound request failed");
@@ -110,7 +134,7 @@ impl Outbound {
                 tls: self.connector.is_mandatory(),
                 ..Hop::default()
             };
-            (error_response(&e, grpc), hop)
+            (error_response(&e, grpc).map(ReplyBody::Made), hop)
         });
         if let Some(upgrade) = upgrade {
             upgrade.splice(&mut rsp);
@@ -134,17 +158,24 @@ impl Outbound {
     pub(super) async fn within_response_timeout<F>(
         &self,
         routed: F,
-        mut profile: watch::Receiver<Option<Duration>>,
-        mut sent: oneshot::Receiver<()>,
-    ) -> Result<(Response<Body>, Hop), ProxyError>
+        mut timeout: TimeoutSource,
+        sent: Sent,
+    ) -> Result<(Response<ReplyBody>, Hop), ProxyError>
     where
-        F: std::future::Future<Output = Result<(Response<Body>, Hop), ProxyError>>,
+        F: std::future::Future<Output = Result<(Response<ReplyBody>, Hop), ProxyError>>,
     {
         tokio::pin!(routed);
-        let mut profile_open = true;
-        let mut sent_at: Option<Instant> = None;
+        let mut profile_open = matches!(timeout, TimeoutSource::Profile(_));
+        let (mut sent_at, mut sent) = match sent {
+            Sent::Already => (Some(Instant::now()), None),
+            Sent::When(rx) => (None, Some(rx)),
+        };
         loop {
-            let limit = effective_timeout(*profile.borrow_and_update(), self.response_timeout);
+            let set = match &mut timeout {
+                TimeoutSource::Profile(profile) => *profile.borrow_and_update(),
+                TimeoutSource::Route(set) => *set,
+            };
+            let limit = effective_timeout(set, self.response_timeout);
             let expired = async {
                 match (limit, sent_at) {
                     (Some(l), Some(t)) => tokio::time::sleep_until((t + l).into()).await,
@@ -154,12 +185,41 @@ impl Outbound {
             tokio::select! {
                 result = &mut routed => return result,
                 _ = expired => return Err(ProxyError::ResponseTimeout(limit.unwrap_or_default())),
-                changed = profile.changed(), if profile_open => profile_open = changed.is_ok(),
+                changed = timeout.changed(), if profile_open => profile_open = changed.is_ok(),
                 // Sent, or dropped unsent: either way the clock runs now.
-                _ = &mut sent, if sent_at.is_none() => sent_at = Some(Instant::now()),
+                _ = async { if let Some(rx) = &mut sent { let _ = rx.await; } }, if sent_at.is_none() => {
+                    sent_at = Some(Instant::now());
+                }
             }
         }
     }
+}
+
+/// Where a request's response timeout comes from.
+pub(super) enum TimeoutSource {
+    /// The service's profile, which may arrive or change meanwhile.
+    Profile(watch::Receiver<Option<Duration>>),
+    /// The route's, fixed for the request (a policy's route carries the
+    /// profile's).
+    Route(Option<Duration>),
+}
+
+impl TimeoutSource {
+    async fn changed(&mut self) -> Result<(), watch::error::RecvError> {
+        match self {
+            TimeoutSource::Profile(profile) => profile.changed().await,
+            TimeoutSource::Route(_) => std::future::pending().await,
+        }
+    }
+}
+
+/// Whether a request's body has been sent: the response timeout runs
+/// from then.
+pub(super) enum Sent {
+    /// It had ended when the request came (no body, or all of it read).
+    Already,
+    /// Told (or dropped) when its end has been read.
+    When(oneshot::Receiver<()>),
 }
 
 /// The HTTP version whose routes apply: a request carried over HTTP/2 from
@@ -176,7 +236,12 @@ fn route_version<B>(req: &Request<B>) -> http::Version {
 }
 
 /// The request with a body that says when it has been read to its end.
-fn notify_when_sent(req: Request<Incoming>) -> (Request<Body>, oneshot::Receiver<()>) {
+/// A body that has ended already (most requests have none) is replaced by
+/// an empty one: nothing to wait for, nothing allocated.
+fn notify_when_sent(req: Request<Incoming>) -> (Request<Body>, Sent) {
+    if req.body().is_end_stream() {
+        return (req.map(|_| crate::http::empty()), Sent::Already);
+    }
     let (tx, rx) = oneshot::channel();
     let req = req.map(|inner| {
         let mut body = NotifyEnd {
@@ -186,7 +251,7 @@ fn notify_when_sent(req: Request<Incoming>) -> (Request<Body>, oneshot::Receiver
         body.check_end();
         body.boxed()
     });
-    (req, rx)
+    (req, Sent::When(rx))
 }
 
 struct NotifyEnd {

@@ -10,15 +10,15 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{Request, Response, Version};
 use http_body_util::BodyExt;
-use tokio::sync::{oneshot, watch};
 
 use super::endpoint::Attempts;
 use super::forward::Unavailable;
+use super::logical::{Sent, TimeoutSource};
 use super::service::Service;
 use super::Outbound;
-use crate::balance::EndpointHandle;
+use crate::balance::Endpoints;
 use crate::errors::ProxyError;
-use crate::http::{strip_hop_by_hop, strip_mesh_asserted, take_orig_proto, Body};
+use crate::http::{strip_hop_by_hop, strip_mesh_asserted, take_orig_proto, Body, ReplyBody};
 use crate::metrics::Hop;
 use crate::policy::{Filter, HeaderModifier, Selected};
 use crate::retry::RetryBudget;
@@ -111,7 +111,7 @@ impl Outbound {
         req: Request<Body>,
         absolute: bool,
         why: ProxyError,
-    ) -> Result<(Response<Body>, Hop), ProxyError> {
+    ) -> Result<(Response<ReplyBody>, Hop), ProxyError> {
         let Some(dst) = self.forwarder.destination(authority, absolute).await else {
             return Err(why);
         };
@@ -130,9 +130,9 @@ impl Outbound {
         target: RouteTarget<'_>,
         selected: Selected<'_>,
         req: Request<Body>,
-        sent: oneshot::Receiver<()>,
+        sent: Sent,
         absolute: bool,
-    ) -> Result<(Response<Body>, Hop), ProxyError> {
+    ) -> Result<(Response<ReplyBody>, Hop), ProxyError> {
         let Selected {
             route,
             rule,
@@ -181,7 +181,7 @@ impl Outbound {
         ));
         // The route's timeout is the service's one source of truth while a
         // policy is in force (the default route carries the profile's).
-        let response_timeout = watch::channel(rule.timeouts.response).1;
+        let response_timeout = TimeoutSource::Route(rule.timeouts.response);
         let bounded = self.within_response_timeout(routed, response_timeout, sent);
         let result = match super::service::effective_timeout(rule.timeouts.request, None) {
             Some(limit) => tokio::time::timeout(limit, bounded)
@@ -204,7 +204,7 @@ impl Outbound {
         req: Request<Body>,
         absolute: bool,
         plan: RetryPlan<'_>,
-    ) -> Result<(Response<Body>, Hop), ProxyError> {
+    ) -> Result<(Response<ReplyBody>, Hop), ProxyError> {
         let endpoints = match svc.ready_endpoints(self.failfast_timeout).await {
             Ok(eps) => eps,
             Err(e @ (ProxyError::ControlPlaneUnreachable | ProxyError::UnknownService(_)))
@@ -303,7 +303,7 @@ impl Outbound {
         &self,
         svc: &Service,
         tried: &[std::net::SocketAddr],
-    ) -> Option<Vec<Arc<EndpointHandle>>> {
+    ) -> Option<Endpoints> {
         let deadline = tokio::time::Instant::now() + self.failfast_timeout;
         let mut rx = svc.balancer.watch();
         loop {
@@ -329,7 +329,7 @@ fn apply_filters<'f>(
     route: &str,
     orig_authority: &str,
     prefix: Option<&str>,
-) -> Result<Option<Response<Body>>, ProxyError> {
+) -> Result<Option<Response<ReplyBody>>, ProxyError> {
     for filter in filters {
         match filter {
             Filter::RequestHeaders(m) => m.apply(&mut parts.headers),
@@ -352,7 +352,7 @@ fn apply_filters<'f>(
                             route: route.to_string(),
                             reason,
                         })?;
-                let mut rsp = Response::new(crate::http::full(Bytes::new()));
+                let mut rsp = Response::new(crate::http::empty().into());
                 *rsp.status_mut() = r.status;
                 let location =
                     http::HeaderValue::from_str(&location).map_err(|_| ProxyError::Route {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tether_admin::Shutdown;
 use tokio::sync::{watch, Semaphore};
 
-use crate::balance::{Balancer, EndpointHandle};
+use crate::balance::{Balancer, Endpoints};
 use crate::discovery::{Discovery, PolicyState, Stall, StreamError};
 use crate::errors::ProxyError;
 use crate::metrics::{AuthorityLabels, ProxyMetrics, ReasonLabels};
@@ -134,6 +134,15 @@ impl Service {
         self.response_timeout.subscribe()
     }
 
+    /// The outbound policy, when one is in force already (or its absence
+    /// is settled): what [`Self::policy`] answers at once, without a wait.
+    pub fn settled_policy(&self) -> Option<Option<Arc<crate::policy::ClientPolicy>>> {
+        match &*self.policy.borrow() {
+            PolicyState::Settled(p) => Some(p.clone()),
+            _ => None,
+        }
+    }
+
     /// The outbound policy in force, waiting for the first answer at most
     /// as long as a request waits today for discovery: until discovery has
     /// answered (or failed, or the service is in fail-fast), bounded by
@@ -209,10 +218,7 @@ impl Service {
     /// The service's endpoints, waiting (in the bounded queue, at most
     /// `wait`) while it has none and is not in fail-fast. Known answers
     /// come at once: unknown service, control plane never reached, fail-fast.
-    pub async fn ready_endpoints(
-        &self,
-        wait: Duration,
-    ) -> Result<Vec<Arc<EndpointHandle>>, ProxyError> {
+    pub async fn ready_endpoints(&self, wait: Duration) -> Result<Endpoints, ProxyError> {
         if let Some(e) = &self.refused {
             return Err(e.clone());
         }
