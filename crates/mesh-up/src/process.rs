@@ -43,10 +43,13 @@ impl ProxyCommand {
 
     /// `tether-proxy` when it sits beside the `tether` binary `tether`
     /// (`cargo build -p tether-proxy-cli`, or a release archive, puts it
-    /// there), else `tether proxy`.
+    /// there) and is of this release, else `tether proxy`. A `tether-proxy`
+    /// left from another release (an upgrade that replaced only `tether`)
+    /// may take other flags or behave otherwise: `tether proxy` is this
+    /// release's proxy for certain.
     pub fn beside(tether: &Path) -> Self {
         let own = tether.with_file_name(Self::BINARY);
-        if own.is_file() {
+        if own.is_file() && reports_version(&own, env!("CARGO_PKG_VERSION")) {
             Self::proxy_only(own)
         } else {
             Self::subcommand_of(tether.to_path_buf())
@@ -94,6 +97,44 @@ impl ProxyCommand {
         format!("{what} ({})", self.exe.display())
     }
 }
+
+/// Whether `tether-proxy --version` at `exe` names `version`; `false` for
+/// one that fails, or is still running after [`VERSION_PROBE_TIMEOUT`].
+fn reports_version(exe: &Path, version: &str) -> bool {
+    let child = std::process::Command::new(exe)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn();
+    let Ok(mut child) = child else {
+        return false;
+    };
+    let deadline = std::time::Instant::now() + VERSION_PROBE_TIMEOUT;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return false;
+            }
+        }
+    }
+    let mut out = String::new();
+    let read = child
+        .stdout
+        .take()
+        .map(|mut s| std::io::Read::read_to_string(&mut s, &mut out));
+    matches!(read, Some(Ok(_))) && out.trim() == format!("{} {version}", ProxyCommand::BINARY)
+}
+
+/// How long `tether-proxy --version` may take before the binary is
+/// passed over (it prints and exits at once).
+const VERSION_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub struct Process {
     pub name: String,
@@ -216,10 +257,44 @@ mod tests {
         );
         assert!(without.describe().starts_with("tether proxy ("));
 
-        std::fs::write(dir.path().join("tether-proxy"), "").unwrap();
-        let with = ProxyCommand::beside(&tether);
-        assert_eq!(with.exe(), dir.path().join("tether-proxy"));
+        let own = dir.path().join("tether-proxy");
+        fake_proxy(&own, env!("CARGO_PKG_VERSION"));
+        // Another test's child, forked while the script was open for
+        // writing, holds it open until it execs (ETXTBSY): ask again then.
+        let mut with = ProxyCommand::beside(&tether);
+        for _ in 0..100 {
+            if with.exe() == own {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            with = ProxyCommand::beside(&tether);
+        }
+        assert_eq!(with.exe(), own);
         assert_eq!(with.args(&flags), flags);
         assert!(with.describe().starts_with("tether-proxy ("));
+    }
+
+    /// A `tether-proxy` that prints `version` for `--version`.
+    fn fake_proxy(path: &Path, version: &str) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(path, format!("#!/bin/sh\necho 'tether-proxy {version}'\n")).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    /// A `tether-proxy` of another release beside `tether` (an upgrade
+    /// that replaced only `tether`), or one that does not run, is passed
+    /// over: `tether proxy` is this release's proxy.
+    #[test]
+    fn a_tether_proxy_of_another_release_is_passed_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let tether = dir.path().join("tether");
+        std::fs::write(&tether, "").unwrap();
+        let own = dir.path().join("tether-proxy");
+        fake_proxy(&own, "0.0.1-older");
+        let chosen = ProxyCommand::beside(&tether);
+        assert_eq!(chosen.exe(), tether, "{}", chosen.describe());
+        assert_eq!(chosen.args(&[]), ["proxy"]);
+        std::fs::write(&own, "not a program").unwrap();
+        assert_eq!(ProxyCommand::beside(&tether).exe(), tether);
     }
 }
