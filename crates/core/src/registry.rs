@@ -837,6 +837,20 @@ endpoints:
                 "{app: web, app: db}",
                 "{app: 1}",
                 "{}",
+                // Core-schema tags, other integer forms, block scalars and
+                // what YAML 1.1 (not serde_yaml) reads as dates or times:
+                // the same events, resolved the same way on both paths.
+                "!!str 80",
+                "!!int 80",
+                "!!bool true",
+                "+5",
+                "0o7",
+                "'~'",
+                "|\n      ab",
+                ">-\n      ab",
+                "2001-12-14",
+                "12:30",
+                "\"\\u0041\"",
             ]);
             let key = prop::sample::select(vec![
                 "address", "port", "ready", "identity", "zone", "weight", "meshed", "name",
@@ -860,6 +874,7 @@ endpoints:
                 "kind: Endpoints\nservice: 80\n",
                 "kind: Endpoints\nservice: web\nkind: Endpoints\n",
                 "kind: \"Endpoints\"\nservice: \"web\"\n",
+                "kind: !!str Endpoints\nservice: web\n",
                 "kind: Service\nname: web\nports: [{port: 80}]\n",
             ]);
             let document = (header, proptest::collection::vec(endpoint, 0..4)).prop_map(
