@@ -3,8 +3,8 @@
 //! Changes are applied per file: only the files named by change events are
 //! re-read, and only the services those files mention are rebuilt, so the
 //! cost of a reload follows the size of the change, not of the registry.
-//! A file renamed into place, closed after writing or removed after a quiet
-//! period is applied at once; the changes that follow within a short window
+//! A file renamed into place or closed after writing, after a quiet
+//! period, is applied at once; the changes that follow within a short window
 //! (a burst) are coalesced into one batch, applied when it closes. A
 //! periodic rescan compares stamps and catches anything the watcher missed
 //! (or dropped when its bounded queue was full). `docs/registry.md` is the
@@ -760,7 +760,7 @@ fn apply(
 enum Change {
     /// A registry file of the directory changed; `whole` when the event
     /// says the change is complete (renamed into place, closed after
-    /// writing, removed), not a write that may be followed by more.
+    /// writing), not a write or a removal that may be followed by more.
     File { path: PathBuf, whole: bool },
     /// A file some registry links resolve to changed.
     Target(PathBuf),
@@ -970,15 +970,20 @@ impl Registry for FileRegistry {
 }
 
 /// Whether an event says a file's change is complete: renamed into place,
-/// closed after writing, removed. A plain write may be followed by more
-/// (an editor writing in place), so it waits out a window.
+/// closed after writing. A plain write may be followed by more (an editor
+/// writing in place), so it waits out a window; so does a file going away
+/// (removed, or renamed out): it is often the first half of a replacement
+/// (`git checkout` and `install` unlink, then create; `mv web.yaml
+/// web.yaml.bak` comes before the new one), and applied at once it would
+/// tell every proxy that the file's services are gone. (A rename within
+/// the directory also comes as `Both`, whose first path goes away: its
+/// `To` event says what arrived.)
 fn is_whole(kind: &notify::EventKind) -> bool {
-    use notify::event::{AccessKind, AccessMode, ModifyKind};
+    use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
     use notify::EventKind;
     matches!(
         kind,
-        EventKind::Modify(ModifyKind::Name(_))
-            | EventKind::Remove(_)
+        EventKind::Modify(ModifyKind::Name(RenameMode::To))
             | EventKind::Access(AccessKind::Close(AccessMode::Write))
     )
 }
@@ -1693,7 +1698,7 @@ mod tests {
             now + COALESCE_WINDOW
         );
         use notify::event::{
-            AccessKind, AccessMode, CreateKind, DataChange, ModifyKind, RenameMode,
+            AccessKind, AccessMode, CreateKind, DataChange, ModifyKind, RemoveKind, RenameMode,
         };
         use notify::EventKind;
         assert!(is_whole(&EventKind::Modify(ModifyKind::Name(
@@ -1706,6 +1711,14 @@ mod tests {
             DataChange::Any
         ))));
         assert!(!is_whole(&EventKind::Create(CreateKind::File)));
+        // Going away is often half of a replacement (unlink, then create).
+        assert!(!is_whole(&EventKind::Remove(RemoveKind::File)));
+        assert!(!is_whole(&EventKind::Modify(ModifyKind::Name(
+            RenameMode::From
+        ))));
+        assert!(!is_whole(&EventKind::Modify(ModifyKind::Name(
+            RenameMode::Both
+        ))));
         assert!(!is_whole(&EventKind::Access(AccessKind::Close(
             AccessMode::Read
         ))));
