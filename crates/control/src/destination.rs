@@ -688,6 +688,10 @@ struct Feed {
     shutdown: Shutdown,
     /// The step being sent, and how many of its updates went out.
     step: Option<(Arc<Published>, Arc<Step>, usize)>,
+    /// Whether the subscriber's first state went out: only what follows
+    /// answers a registry change while it watched. A subscriber joining a
+    /// slot last changed an hour ago is not an update an hour late.
+    joined: bool,
     _registered: Registered,
 }
 
@@ -708,7 +712,7 @@ impl Feed {
                 if let Some(update) = step.updates.get(*sent) {
                     *sent += 1;
                     self.metrics.updates_sent.inc();
-                    if published.version > 0 {
+                    if self.joined && published.version > 0 {
                         self.metrics
                             .update_latency
                             .observe(published.observed_at.elapsed().as_secs_f64());
@@ -716,6 +720,7 @@ impl Feed {
                     return Some(update.clone());
                 }
                 self.step = None;
+                self.joined = true;
                 self.sub.state.lock().unwrap().sending = false;
                 let slot = self.slot.as_mut()?;
                 tokio::select! {
@@ -824,6 +829,7 @@ impl DestinationService {
             metrics: self.metrics.clone(),
             shutdown: self.shutdown.clone(),
             step: None,
+            joined: false,
             _registered: registered,
         }
         .into_stream())
@@ -1833,6 +1839,42 @@ mod tests {
             !text.contains("made-up-"),
             "per-service labels of ended streams stayed:\n{text}"
         );
+    }
+
+    /// How many updates `tether_destination_update_latency_seconds` counted.
+    fn latencies_observed(metrics: &ControlMetrics) -> u64 {
+        let mut registry = prometheus_client::registry::Registry::default();
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("tether_destination_update_latency_seconds_count "))
+            .unwrap_or_else(|| panic!("no update latency count in:\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+
+    /// The update latency counts registry changes reaching the subscribers
+    /// that watched them; a subscriber joining a slot changed long ago gets
+    /// its first state at once, which is not an update that late.
+    #[tokio::test]
+    async fn joining_a_changed_slot_counts_no_update_latency() {
+        let dst = service_with(Subscriptions::default());
+        let key = ServiceKey::new("web", "demo");
+        let mut watching = dst.subscribe(key.clone(), 80);
+        watching.recv().await.unwrap().unwrap();
+        assert_eq!(latencies_observed(&dst.metrics), 0, "a first state");
+        let mut more = web_service();
+        more.endpoints
+            .push(tether_core::registry::EndpointSpec::new(
+                "127.0.0.1:9".parse().unwrap(),
+            ));
+        dst.index.set_service(&key, Some(more));
+        watching.recv().await.unwrap().unwrap();
+        assert_eq!(latencies_observed(&dst.metrics), 1, "the change's update");
+        let mut joining = dst.subscribe(key, 80);
+        joining.recv().await.unwrap().unwrap();
+        assert_eq!(latencies_observed(&dst.metrics), 1, "a first state");
     }
 
     #[tokio::test]
