@@ -3,6 +3,7 @@
 # RSS/CPU, memory per subscriber. Arguments go to the harness:
 #   --endpoints N (≤100000) --services S --subscribers M (≤20000) --churn R (≤500/s)
 #   --seconds T --settle T (time to converge after the churn)
+#   --per-file N (endpoints per registry file, default 5000: a change rewrites one file)
 #   --baseline OLD-TETHER (run the same load on an older binary first; prints NEW/OLD)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -7,7 +7,7 @@
 //! subscriber.
 //!
 //! A service's endpoints are written in files of at most
-//! [`ENDPOINTS_PER_FILE`] (Endpoints documents add up), so a service of
+//! `--per-file` (default [`ENDPOINTS_PER_FILE`]; Endpoints documents add up), so a service of
 //! 100,000 endpoints is 20 files and a change rewrites one of them.
 //!
 //! With `--baseline OLD`, the same run is made first with the `tether`
@@ -16,7 +16,7 @@
 //! between days, a ratio within one run does not.
 //!
 //! Usage: bench/discovery.sh [--endpoints N] [--services S] [--subscribers M]
-//!                           [--churn R] [--seconds T] [--settle T]
+//!                           [--churn R] [--seconds T] [--settle T] [--per-file N]
 //!                           [--baseline OLD-TETHER]
 
 #![forbid(unsafe_code)]
@@ -44,6 +44,9 @@ struct Args {
     seconds: f64,
     /// How long subscribers get after the churn ends to converge.
     settle: f64,
+    /// The most endpoints one registry file holds: a change rewrites (and
+    /// the control plane re-parses) one such file.
+    per_file: usize,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -57,6 +60,7 @@ fn parse_args() -> anyhow::Result<Args> {
         churn: 500.0,
         seconds: 10.0,
         settle: 2.0,
+        per_file: ENDPOINTS_PER_FILE,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -65,6 +69,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--tether" => a.tether = v.into(),
             "--baseline" => a.baseline = Some(v.into()),
             "--settle" => a.settle = v.parse()?,
+            "--per-file" => a.per_file = v.parse()?,
             "--load" => a.load = v.into(),
             "--endpoints" => a.endpoints = v.parse()?,
             "--services" => a.services = v.parse()?,
@@ -95,6 +100,10 @@ fn parse_args() -> anyhow::Result<Args> {
         "--seconds must be in (0, 120]"
     );
     anyhow::ensure!(
+        (1..=100_000).contains(&a.per_file),
+        "--per-file must be 1-100000"
+    );
+    anyhow::ensure!(
         a.settle > 0.0 && a.settle <= 120.0,
         "--settle must be in (0, 120]"
     );
@@ -104,7 +113,7 @@ fn parse_args() -> anyhow::Result<Args> {
 /// The most endpoints one registry file of the bench holds.
 const ENDPOINTS_PER_FILE: usize = 5_000;
 
-/// A service's endpoints in files of at most [`ENDPOINTS_PER_FILE`], each
+/// A service's endpoints in files of at most `--per-file`, each
 /// oldest first; addresses are never reused.
 struct Service {
     name: String,
@@ -265,7 +274,7 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
         let svc = Service {
             name,
             files: endpoints
-                .chunks(ENDPOINTS_PER_FILE)
+                .chunks(args.per_file)
                 .map(|c| c.iter().cloned().collect())
                 .collect(),
             changes: 0,
