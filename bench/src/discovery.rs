@@ -158,21 +158,6 @@ fn endpoints_yaml(svc: &Service, file: usize) -> String {
     text
 }
 
-/// Seconds the threads of `pid` have spent runnable but waiting for a CPU
-/// (`/proc/PID/task/*/schedstat`, second field): on a shared machine, how
-/// much of a latency is the cores being busy with something else.
-fn run_queue_wait(pid: u32) -> f64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return f64::NAN;
-    };
-    let nanos: u64 = tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .sum();
-    nanos as f64 / 1e9
-}
-
 fn now_stamp() -> String {
     format!(
         "t{}",
@@ -347,7 +332,7 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
     let load_cpu_before = tether_bench::proc_usage(load_pid).cpu_seconds;
     // This process writes the registry files: its CPU shares the cores too.
     let writer_cpu_before = tether_bench::proc_usage(std::process::id()).cpu_seconds;
-    let waited_before = run_queue_wait(pid);
+    let waited_before = tether_bench::sched(pid).waited_s;
 
     // Churn: each change replaces one endpoint of one service.
     let interval = Duration::from_secs_f64(1.0 / args.churn);
@@ -384,7 +369,7 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
     let (cpu_after, rss_end) = (end.cpu_seconds, end.rss_kib);
     let load_cpu_after = tether_bench::proc_usage(load_pid).cpu_seconds;
     let writer_cpu = tether_bench::proc_usage(std::process::id()).cpu_seconds - writer_cpu_before;
-    let waited = run_queue_wait(pid) - waited_before;
+    let waited = tether_bench::sched(pid).waited_s - waited_before;
     let summary = line_rx
         .recv_timeout(Duration::from_secs_f64(args.settle + 60.0))
         .context("no summary from discovery-load")?;
