@@ -8,7 +8,8 @@
 #   --compare-threads N (an extra mTLS pair with --threads N; repeatable)
 #   --compare BINARY (an extra mTLS pair of another tether build, e.g. before a change; repeatable;
 #     target/release/tether compares `tether proxy` with the tether-proxy binary the pairs run)
-#   --tether-proxy PATH (the proxy-only binary the Tether pairs run; default target/release/tether-proxy)
+#   --tether-proxy PATH (the proxy-only binary the Tether pairs run; default target/release-lto/tether-proxy,
+#     the sidecar as it ships: built with --profile release-lto, ~10 min from scratch the first time)
 #   --perf DIR (perf record the proxies during the first repetition, into DIR/*.data)
 #   --syscalls (count the pairs' system calls per request, by kind, during the first repetition)
 #   --compare-h1 (an extra mTLS pair speaking HTTP/1.1 between the proxies: what HTTP/2 costs)
@@ -16,4 +17,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p tether -p tether-bench -p tether-proxy-cli
-exec target/release/proxy-latency --tether target/release/tether "$@"
+echo "building the sidecar as it ships (cargo build --profile release-lto -p tether-proxy-cli)..." >&2
+cargo build --profile release-lto -q -p tether-proxy-cli
+# A later --tether-proxy in "$@" wins.
+exec target/release/proxy-latency --tether target/release/tether \
+  --tether-proxy target/release-lto/tether-proxy "$@"
