@@ -5,6 +5,7 @@
 //! `tether-proxy-cli`, has integration tests, which need it built); a run of
 //! this target alone needs `cargo build -p tether-proxy-cli` first.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -35,46 +36,22 @@ async fn tether_proxy_binary_proxies_a_request_end_to_end_over_mtls() {
     scratch.service("web", 8080, false);
     let ca = scratch.identity_init("ca");
     let control = scratch.control_with_identity("control", &ca, "3600").await;
-    let control_addr = control.addr("grpc").to_string();
     let app = scratch.demo_app("web-0", 0).await;
-    let app_addr = app.addr("http").to_string();
-    let sidecar = |name: &str, app: Option<&str>| {
-        let mut args: Vec<String> = [
-            "--control",
-            &control_addr,
-            "--outbound",
-            "127.0.0.1:0",
-            "--inbound",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--tls",
-            "mandatory",
-        ]
-        .map(String::from)
-        .to_vec();
-        if let Some(app) = app {
-            args.extend(["--app".into(), app.into()]);
-        }
-        args.extend(scratch.identity_args(&ca, &id(name), &ca));
-        args
-    };
-    let spawn = |name: &'static str, args: Vec<String>, expect: &'static [&'static str]| {
-        let log = scratch.log(name);
-        let scratch = &scratch;
+    let sidecar = |name: &'static str, app: Option<SocketAddr>| {
+        let flags: Vec<String> = ["--tls".to_string(), "mandatory".to_string()]
+            .into_iter()
+            .chain(scratch.identity_args(&ca, &id(name), &ca))
+            .collect();
+        let (scratch, control) = (&scratch, control.addr("grpc"));
         async move {
-            Process::spawn(&tether_proxy(), name, &args, &log, expect)
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            scratch
+                .sidecar(&tether_proxy(), &[], name, control, app, &flags)
                 .await
-                .unwrap_or_else(|e| panic!("{e:#}\n--- {name} log ---\n{}", scratch.read_log(name)))
         }
     };
-    let server = spawn(
-        "web",
-        sidecar("web", Some(&app_addr)),
-        &["outbound", "inbound", "admin"],
-    )
-    .await;
-    let client = spawn("client", sidecar("client", None), &["outbound", "admin"]).await;
+    let server = sidecar("web", Some(app.addr("http"))).await;
+    let client = sidecar("client", None).await;
     for p in [&server, &client] {
         assert!(
             exe_of(p).ends_with("tether-proxy"),

@@ -95,9 +95,20 @@ impl Scratch {
     /// Starts `tether ARGS`: over TLS to (or on) the control plane when it
     /// has an `--identity`, in plaintext otherwise.
     pub async fn spawn(&self, name: &str, args: &[&str], expect: &[&str]) -> Process {
+        self.spawn_exe(tether(), name, args, expect).await
+    }
+
+    /// [`Scratch::spawn`] of another executable (the `tether-proxy` binary).
+    pub async fn spawn_exe(
+        &self,
+        exe: &Path,
+        name: &str,
+        args: &[&str],
+        expect: &[&str],
+    ) -> Process {
         let mut args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         tether_mesh_up::process::plaintext_control_plane_without_identity(&mut args);
-        Process::spawn(tether(), name, &args, &self.log(name), expect)
+        Process::spawn(exe, name, &args, &self.log(name), expect)
             .await
             .unwrap_or_else(|e| panic!("{e:#}\n--- {name} log ---\n{}", self.read_log(name)))
     }
@@ -190,7 +201,7 @@ impl Scratch {
         self.control_at("control", "127.0.0.1:0", &[]).await
     }
 
-    /// A sidecar; with `app`, also its inbound listener.
+    /// A sidecar (`tether proxy`); with `app`, also its inbound listener.
     pub async fn proxy(
         &self,
         name: &str,
@@ -198,9 +209,24 @@ impl Scratch {
         app: Option<SocketAddr>,
         extra: &[&str],
     ) -> Process {
+        self.sidecar(tether(), &["proxy"], name, control, app, extra)
+            .await
+    }
+
+    /// A sidecar run as `exe COMMAND... FLAGS`: `tether proxy`, or the
+    /// `tether-proxy` binary with no command word.
+    pub async fn sidecar(
+        &self,
+        exe: &Path,
+        command: &[&str],
+        name: &str,
+        control: SocketAddr,
+        app: Option<SocketAddr>,
+        extra: &[&str],
+    ) -> Process {
         let control = control.to_string();
-        let mut args = vec![
-            "proxy",
+        let mut args = command.to_vec();
+        args.extend([
             "--control",
             &control,
             "--outbound",
@@ -209,7 +235,7 @@ impl Scratch {
             "127.0.0.1:0",
             "--admin",
             "127.0.0.1:0",
-        ];
+        ]);
         let app_s = app.map(|a| a.to_string());
         if let Some(a) = &app_s {
             args.extend(["--app", a]);
@@ -220,7 +246,7 @@ impl Scratch {
         } else {
             &["outbound", "admin"]
         };
-        self.spawn(name, &args, expect).await
+        self.spawn_exe(exe, name, &args, expect).await
     }
 
     pub async fn demo_app(&self, replica: &str, latency_ms: u32) -> Process {
