@@ -1,4 +1,5 @@
-//! Shared vocabulary of Tether. This crate does no I/O.
+//! Shared vocabulary of Tether. This crate does no I/O but [`file`]'s
+//! bounded read.
 //!
 //! - [`authority`]: service authorities (`name.namespace.svc.cluster.local:port`)
 //!   and how they are parsed, by the control plane and the proxy alike.
@@ -15,6 +16,8 @@
 //! - [`truncate`]: bounded echoes of untrusted input (a prefix plus the
 //!   length), for every log line, error and operator output that quotes it.
 //! - [`yaml`]: YAML anchors and aliases refused before parsing (alias bombs).
+//! - [`file`]: an operator's file read with a bound on its size (the
+//!   registry's files, the trust bundle).
 //! - [`prom`]: a small reader of the Prometheus text format, for the operator
 //!   tools that scrape Tether's own admin endpoints.
 
@@ -22,6 +25,7 @@
 
 pub mod authority;
 pub mod backoff;
+pub mod file;
 pub mod log_limit;
 pub mod policy;
 pub mod prom;

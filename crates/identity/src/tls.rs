@@ -34,16 +34,29 @@ pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// The largest trust bundle read: a few hundred roots. The bundle is
+/// re-read while the proxy serves, on its only thread.
+pub const MAX_TRUST_BUNDLE_BYTES: u64 = 1024 * 1024;
+
 /// Loads the trust anchors from a PEM file (`ca.crt`).
 pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
+    read_roots(path).map(|(roots, _)| roots)
+}
+
+/// The trust anchors of a PEM file and each one's DER, in file order: the
+/// file read once, at most [`MAX_TRUST_BUNDLE_BYTES`] of it.
+pub(crate) fn read_roots(path: &Path) -> Result<(RootCertStore, Vec<Vec<u8>>), TlsError> {
     let err = |reason: String| TlsError::TrustRoot {
         path: path.display().to_string(),
         reason,
     };
-    let pem = std::fs::read(path).map_err(|e| err(e.to_string()))?;
+    let pem = tether_core::file::read_bounded(path, MAX_TRUST_BUNDLE_BYTES)
+        .map_err(|e| err(e.to_string()))?;
     let mut roots = RootCertStore::empty();
+    let mut ders = Vec::new();
     for cert in CertificateDer::pem_slice_iter(&pem) {
         let cert = cert.map_err(|e| err(format!("not PEM: {e}")))?;
+        ders.push(cert.to_vec());
         roots
             .add(cert)
             .map_err(|e| err(format!("not a usable CA certificate: {e}")))?;
@@ -51,7 +64,7 @@ pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
     if roots.is_empty() {
         return Err(err("no certificate in file".into()));
     }
-    Ok(roots)
+    Ok((roots, ders))
 }
 
 /// The current certificate of this workload, replaced in place on renewal.

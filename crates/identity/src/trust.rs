@@ -22,7 +22,7 @@ use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme};
 
-use crate::tls::{load_roots, provider, TlsError};
+use crate::tls::{provider, TlsError};
 
 /// A short, stable name for a certificate: the first 16 hex digits of the
 /// SHA-256 of its DER (what metrics and `tether check` show).
@@ -47,7 +47,7 @@ pub struct Trust {
 impl Trust {
     /// Reads a PEM bundle of one or more roots.
     pub fn read(path: &Path) -> Result<Self, TlsError> {
-        let (roots, ders) = load_roots_with_ders(path)?;
+        let (roots, ders) = crate::tls::read_roots(path)?;
         let fingerprints = ders.iter().map(|d| fingerprint(d)).collect();
         Self::build(roots, fingerprints)
     }
@@ -91,20 +91,6 @@ impl Trust {
             .map(|_| ())
             .map_err(|e| e.to_string())
     }
-}
-
-fn load_roots_with_ders(path: &Path) -> Result<(RootCertStore, Vec<Vec<u8>>), TlsError> {
-    use rustls::pki_types::pem::PemObject;
-    let roots = load_roots(path)?;
-    let pem = std::fs::read(path).map_err(|e| TlsError::TrustRoot {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    let ders = CertificateDer::pem_slice_iter(&pem)
-        .filter_map(Result::ok)
-        .map(|c| c.to_vec())
-        .collect();
-    Ok((roots, ders))
 }
 
 /// The roots in force, replaced whole when a new bundle is installed.
@@ -365,5 +351,40 @@ mod tests {
         std::fs::remove_file(&file).unwrap();
         assert!(!stamps.changed());
         assert!(stamps.changed(), "a removal is a change too");
+    }
+
+    #[test]
+    fn a_bundle_over_the_size_limit_is_refused_by_its_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ca.crt");
+        let huge = std::fs::File::create(&file).unwrap();
+        huge.set_len(crate::tls::MAX_TRUST_BUNDLE_BYTES + 1)
+            .unwrap();
+        let err = Trust::read(&file).err().expect("refused").to_string();
+        let size = (crate::tls::MAX_TRUST_BUNDLE_BYTES + 1).to_string();
+        assert!(
+            err.contains(&size) && err.contains("over the limit"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_bundle_of_two_roots_names_both_in_file_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        for d in [&a, &b] {
+            crate::ca::init(&crate::ca::InitOptions::new(d, "cluster.local")).unwrap();
+        }
+        let pem =
+            |d: &std::path::Path| std::fs::read_to_string(d.join(crate::ca::CA_CERT)).unwrap();
+        let bundle = dir.path().join("bundle.crt");
+        std::fs::write(&bundle, pem(&a) + &pem(&b)).unwrap();
+        let trust = Trust::read(&bundle).unwrap();
+        let one = |d: &std::path::Path| {
+            Trust::read(&d.join(crate::ca::CA_CERT))
+                .unwrap()
+                .fingerprints
+        };
+        assert_eq!(trust.fingerprints, [one(&a), one(&b)].concat());
     }
 }

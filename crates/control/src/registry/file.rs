@@ -34,9 +34,8 @@
 //! the order events arrived in, so replicas agree.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::Read;
 use std::net::SocketAddr;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -119,10 +118,10 @@ fn stamp_of(meta: &std::fs::Metadata) -> Stamp {
     )
 }
 
-/// Reads at most `limit` bytes of `path`, refusing a longer file; never
-/// holds more than `limit + 1` bytes whatever the file grew to since its
-/// size was checked.
+/// Reads at most `limit` bytes of `path` ([`tether_core::file::read_bounded`]),
+/// refusing a longer file without opening it when its listed `size` says so.
 fn read_bounded(path: &Path, size: u64, limit: u64) -> Result<String, String> {
+    use tether_core::file::ReadError;
     let too_large = |size: u64| {
         format!(
             "the file is {size} bytes, over the limit of {limit} bytes (--registry-max-file-bytes)"
@@ -131,24 +130,12 @@ fn read_bounded(path: &Path, size: u64, limit: u64) -> Result<String, String> {
     if size > limit {
         return Err(too_large(size));
     }
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        // A FIFO swapped in after the size check must not block the registry.
-        .custom_flags(O_NONBLOCK)
-        .open(path)
-        .map_err(|e| e.to_string())?;
-    let mut bytes = Vec::with_capacity(size as usize + 1);
-    file.take(limit + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| e.to_string())?;
-    if bytes.len() as u64 > limit {
-        return Err(too_large(bytes.len() as u64));
-    }
+    let bytes = tether_core::file::read_bounded(path, limit).map_err(|e| match e {
+        ReadError::TooLarge { size, .. } => too_large(size),
+        ReadError::Io(e) => e.to_string(),
+    })?;
     String::from_utf8(bytes).map_err(|e| format!("not UTF-8 text ({e})"))
 }
-
-/// `O_NONBLOCK` on Linux.
-const O_NONBLOCK: i32 = 0o4000;
 
 /// Whether a path names a registry file: `*.yaml` or `*.yml`, not hidden.
 pub fn is_registry_file(path: &Path) -> bool {
