@@ -50,12 +50,12 @@ impl<R: Record> Classified<R> {
 
 impl<R: Record> hyper::body::Body for Classified<R> {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = crate::http::BodyError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, crate::http::BodyError>>> {
         let this = &mut *self;
         let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
         match &frame {
@@ -118,7 +118,7 @@ mod tests {
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", trailer.parse().unwrap());
         let frames = vec![
-            Ok::<_, hyper::Error>(Frame::data(Bytes::from_static(b"\\0\\0\\0\\0\\0"))),
+            Ok::<_, crate::http::BodyError>(Frame::data(Bytes::from_static(b"\\0\\0\\0\\0\\0"))),
             Ok(Frame::trailers(trailers)),
         ];
         let body = http_body_util::StreamBody::new(futures::stream::iter(frames))

@@ -142,13 +142,16 @@ pub struct ResponseBody {
 
 impl hyper::body::Body for ResponseBody {
     type Data = bytes::Bytes;
-    type Error = hyper::Error;
+    type Error = crate::http::BodyError;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, hyper::Error>>> {
-        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, crate::http::BodyError>>>
+    {
+        let polled = std::pin::Pin::new(&mut self.inner)
+            .poll_frame(cx)
+            .map_err(Into::into);
         if let std::task::Poll::Ready(None) = polled {
             if let Some(release) = self.release.take() {
                 release.release();

@@ -7,6 +7,7 @@
 //! behind a TLS listener. Plaintext, foreign identities and non-global
 //! authorities are refused.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +20,7 @@ use tether_core::truncate::for_log;
 use crate::bootstrap::{Bootstrap, BootstrapConfig};
 use crate::detect::first_bytes;
 use crate::outbound::{Outbound, OutboundConfig};
-use crate::serve::{accept_loop, serve_http};
+use crate::serve::{accept_loop, serve_http, Conn};
 use crate::tls::TlsMode;
 use crate::ProxyStartError;
 
@@ -95,27 +96,38 @@ pub async fn run(config: GatewayConfig, shutdown: Shutdown) -> Result<(), ProxyS
                 }
                 return;
             }
-            let svc = move |req: http::Request<hyper::body::Incoming>| {
-                let outbound = outbound.clone();
-                async move {
-                    let authority = crate::http::request_authority(&req).unwrap_or_default();
-                    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
-                    if !host.ends_with(".global") {
-                        return forbidden(format!(
-                            "the gateway routes only global ids, not {}",
-                            for_log(authority)
-                        ));
-                    }
-                    // Boxed, so the gateway's own refusal above is the same type.
-                    outbound
-                        .handle(req, None)
-                        .await
-                        .map(http_body_util::BodyExt::boxed)
-                }
-            };
-            serve_http(io, svc, conn).await;
+            serve_global(io, outbound, conn).await;
         }
     })
     .await;
     Ok(())
+}
+
+/// Serves HTTP on a gateway connection, routing global ids only. A plain
+/// function that names its future `Send`: inferred inside the accept
+/// loop's async block, the check trips over the boxed body error's
+/// lifetime (rust-lang/rust#64552).
+fn serve_global<I>(io: I, outbound: Arc<Outbound>, conn: Conn) -> impl Future<Output = ()> + Send
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let svc = move |req: http::Request<hyper::body::Incoming>| {
+        let outbound = outbound.clone();
+        async move {
+            let authority = crate::http::request_authority(&req).unwrap_or_default();
+            let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
+            if !host.ends_with(".global") {
+                return forbidden(format!(
+                    "the gateway routes only global ids, not {}",
+                    for_log(authority)
+                ));
+            }
+            // Boxed, so the gateway's own refusal above is the same type.
+            outbound
+                .handle(req, None)
+                .await
+                .map(http_body_util::BodyExt::boxed)
+        }
+    };
+    serve_http(io, svc, conn)
 }

@@ -14,9 +14,13 @@ pub enum Proto {
     Http2,
 }
 
+/// A body's error inside the proxy: hyper's (a body from a connection hyper
+/// serves) or h2's (a response body from a peer over HTTP/2), boxed.
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
 /// The body type inside the proxy: whatever came in, or a response the
 /// proxy made itself.
-pub type Body = BoxBody<Bytes, hyper::Error>;
+pub type Body = BoxBody<Bytes, BodyError>;
 
 /// A response body on its way back to the client: the next hop's, as it
 /// came (most responses: not boxed again on the way), or one the proxy
@@ -34,12 +38,12 @@ impl From<Body> for ReplyBody {
 
 impl hyper::body::Body for ReplyBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BodyError>>> {
         match self.get_mut() {
             ReplyBody::Upstream(b) => std::pin::Pin::new(b).poll_frame(cx),
             ReplyBody::Made(b) => std::pin::Pin::new(b).poll_frame(cx),

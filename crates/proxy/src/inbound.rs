@@ -579,7 +579,7 @@ fn boxed_unless_empty(body: Incoming) -> crate::http::Body {
     if hyper::body::Body::is_end_stream(&body) {
         crate::http::empty()
     } else {
-        body.boxed()
+        body.map_err(Into::into).boxed()
     }
 }
 

@@ -203,15 +203,15 @@ struct Tracked<B> {
 
 impl<B> hyper::body::Body for Tracked<B>
 where
-    B: hyper::body::Body<Data = Bytes, Error = hyper::Error> + Unpin,
+    B: hyper::body::Body<Data = Bytes, Error = crate::http::BodyError> + Unpin,
 {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = crate::http::BodyError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, crate::http::BodyError>>> {
         Pin::new(&mut self.inner).poll_frame(cx)
     }
 
@@ -248,7 +248,7 @@ where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
-    B: hyper::body::Body<Data = Bytes, Error = hyper::Error> + Send + Unpin + 'static,
+    B: hyper::body::Body<Data = Bytes, Error = crate::http::BodyError> + Send + Unpin + 'static,
 {
     let Conn {
         mut drain,
