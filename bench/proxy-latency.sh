@@ -13,6 +13,7 @@
 #   --perf DIR (perf record the proxies during the first repetition, into DIR/*.data)
 #   --syscalls (count the pairs' system calls per request, by kind, during the first repetition)
 #   --compare-h1 (an extra mTLS pair speaking HTTP/1.1 between the proxies: what HTTP/2 costs)
+#   --haproxy-mtls (an extra HAProxy pair with mTLS and HTTP/2 between its proxies, as Tether's: informational ratios)
 #   --allocs (count each proxy's heap allocations and timers per request, with uprobes, during the first repetition)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -18,7 +18,8 @@
 //!
 //! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
-//!          [--perf DIR] [--syscalls] [--allocs] [--compare-h1] [--tether-proxy PATH]
+//!          [--perf DIR] [--syscalls] [--allocs] [--compare-h1] [--haproxy-mtls]
+//!          [--tether-proxy PATH]
 //!
 //! The Tether pairs run `tether-proxy`, the proxy-only binary (`--tether-proxy
 //! PATH`; default: beside `--tether`); `--compare target/release/tether`
@@ -28,6 +29,13 @@
 //! `--compare-h1` adds an mTLS pair that speaks HTTP/1.1 between the
 //! proxies (the server proxy registered as not meshed) instead of HTTP/2:
 //! what HTTP/2 between proxies costs, measured, not a supported setting.
+//!
+//! `--haproxy-mtls` adds an HAProxy pair that does what a Tether mTLS pair
+//! does on the wire (mutual TLS with ECDSA P-256 certificates, HTTP/2
+//! between the two proxies, ALPN `h2`), and prints every Tether pair's
+//! figures against it too: how much of the gap to plaintext HAProxy is
+//! the protocol's and how much Tether's. Informational; the goals stay
+//! against plaintext HTTP/1.1 HAProxy.
 //!
 //! `--compare-threads N` adds an mTLS pair run with `--threads N`;
 //! `--compare BINARY` adds an mTLS pair of another build (say, before a
@@ -86,6 +94,9 @@ struct Args {
     compare_h1: bool,
     /// Count allocations and timers per request during the first repetition.
     allocs: bool,
+    /// Add an HAProxy pair with mTLS and HTTP/2 between its two proxies
+    /// (Tether's wire protocol), for an informational ratio.
+    haproxy_mtls: bool,
 }
 
 /// One pair of Tether proxies to measure.
@@ -181,6 +192,7 @@ fn parse_args() -> anyhow::Result<Args> {
         syscalls: false,
         compare_h1: false,
         allocs: false,
+        haproxy_mtls: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -194,6 +206,10 @@ fn parse_args() -> anyhow::Result<Args> {
         }
         if flag == "--compare-h1" {
             args.compare_h1 = true;
+            continue;
+        }
+        if flag == "--haproxy-mtls" {
+            args.haproxy_mtls = true;
             continue;
         }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
@@ -427,15 +443,112 @@ async fn wait_http(addr: SocketAddr, timeout: Duration) -> anyhow::Result<()> {
 }
 
 /// HAProxy in HTTP mode with one thread, forwarding to `next` over
-/// keep-alive connections (reused across client connections).
-fn haproxy_config(listen: SocketAddr, next: SocketAddr) -> String {
+/// keep-alive connections (reused across client connections). `bind_opts`
+/// and `server_opts` end the `bind` and `server` lines (TLS, ALPN).
+fn haproxy_config(
+    listen: SocketAddr,
+    next: SocketAddr,
+    bind_opts: &str,
+    server_opts: &str,
+) -> String {
     format!(
         "global\n  nbthread 1\n  maxconn 4096\n\
          defaults\n  mode http\n  option http-keep-alive\n  http-reuse always\n  \
          timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n\
-         frontend in\n  bind {listen}\n  default_backend next\n\
-         backend next\n  server next {next}\n"
+         frontend in\n  bind {listen}{bind_opts}\n  default_backend next\n\
+         backend next\n  server next {next}{server_opts}\n"
     )
+}
+
+/// The server name of the mTLS HAProxy pair's server side.
+const HAPROXY_SERVER_NAME: &str = "haproxy-server.bench";
+
+/// A CA and a certificate for each side of the mTLS HAProxy pair, as
+/// HAProxy reads them (certificate and key in one PEM file); ECDSA P-256,
+/// as Tether's. Returns the CA's file and each side's.
+fn haproxy_certificates(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    // Distinct subject names: a leaf whose subject equals its issuer's
+    // (rcgen's default name for both) is taken for self-signed by OpenSSL.
+    let named = |sans: Vec<String>, cn: &str| -> anyhow::Result<CertificateParams> {
+        let mut params = CertificateParams::new(sans)?;
+        params.distinguished_name.push(DnType::CommonName, cn);
+        Ok(params)
+    };
+    let ca_key = KeyPair::generate()?;
+    let mut ca_params = named(Vec::new(), "tether bench HAProxy CA")?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key)?;
+    let issuer = Issuer::new(ca_params, ca_key);
+    let ca_file = dir.join("haproxy-mtls-ca.pem");
+    std::fs::write(&ca_file, ca_cert.pem())?;
+    let leaf = |name: &str, file: &str| -> anyhow::Result<PathBuf> {
+        let key = KeyPair::generate()?;
+        let cert = named(vec![name.to_string()], name)?.signed_by(&key, &issuer)?;
+        let path = dir.join(file);
+        std::fs::write(&path, cert.pem() + &key.serialize_pem())?;
+        Ok(path)
+    };
+    let server = leaf(HAPROXY_SERVER_NAME, "haproxy-mtls-server.pem")?;
+    let client = leaf("haproxy-client.bench", "haproxy-mtls-client.pem")?;
+    Ok((ca_file, server, client))
+}
+
+/// An HAProxy pair (client side → server side → `backend`) on `client_port`
+/// and `server_port`, with mTLS and HTTP/2 between the two when `mtls`:
+/// the pids, client side first, and the processes.
+async fn haproxy_pair(
+    dir: &Path,
+    name: &str,
+    (client_port, server_port): (SocketAddr, SocketAddr),
+    backend: SocketAddr,
+    mtls: bool,
+) -> anyhow::Result<(Vec<u32>, Vec<tokio::process::Child>)> {
+    let (bind_opts, server_opts) = if mtls {
+        let (ca, server, client) = haproxy_certificates(dir)?;
+        let (ca, server, client) = (ca.display(), server.display(), client.display());
+        (
+            format!(" ssl crt {server} ca-file {ca} verify required alpn h2"),
+            format!(
+                " ssl crt {client} ca-file {ca} verify required sni str({HAPROXY_SERVER_NAME}) \
+                 verifyhost {HAPROXY_SERVER_NAME} alpn h2"
+            ),
+        )
+    } else {
+        (String::new(), String::new())
+    };
+    let mut pids = Vec::new();
+    let mut children = Vec::new();
+    for (side, listen, next, bind, server) in [
+        ("server", server_port, backend, bind_opts.as_str(), ""),
+        ("client", client_port, server_port, "", server_opts.as_str()),
+    ] {
+        let file = format!("{name}-{side}");
+        let conf = dir.join(format!("{file}.cfg"));
+        std::fs::write(&conf, haproxy_config(listen, next, bind, server))?;
+        let child = spawn_peer(
+            "haproxy",
+            &["-db", "-f", &conf.display().to_string()],
+            &dir.join(format!("{file}.log")),
+        )?;
+        pids.insert(0, child.id().unwrap_or(0));
+        children.push(child);
+    }
+    // Through the client side: both are up (the server side may speak TLS).
+    if let Err(e) = wait_http(client_port, Duration::from_secs(10)).await {
+        let logs: Vec<String> = ["server", "client"]
+            .iter()
+            .map(|side| {
+                let log = dir.join(format!("{name}-{side}.log"));
+                format!(
+                    "{side}: {}",
+                    std::fs::read_to_string(log).unwrap_or_default().trim()
+                )
+            })
+            .collect();
+        bail!("{e}; HAProxy said:\n{}", logs.join("\n"));
+    }
+    Ok((pids, children))
 }
 
 /// nginx with one worker answering every request with a small body.
@@ -510,22 +623,18 @@ async fn main() -> anyhow::Result<()> {
     };
 
     // The HAProxy pair: client side → server side → backend.
-    let mut haproxy_pids = Vec::new();
-    for (name, listen, next) in [
-        ("haproxy-server", ports[2], backend),
-        ("haproxy-client", ports[1], ports[2]),
-    ] {
-        let conf = dir.join(format!("{name}.cfg"));
-        std::fs::write(&conf, haproxy_config(listen, next))?;
-        let child = spawn_peer(
-            "haproxy",
-            &["-db", "-f", &conf.display().to_string()],
-            &log(name),
-        )?;
-        haproxy_pids.insert(0, child.id().unwrap_or(0));
-        _peers.push(child);
-        wait_http(listen, Duration::from_secs(10)).await?;
-    }
+    let (haproxy_pids, children) =
+        haproxy_pair(&dir, "haproxy", (ports[1], ports[2]), backend, false).await?;
+    _peers.extend(children);
+    let haproxy_mtls = if args.haproxy_mtls {
+        let more = tether_bench::reserve_ports(2)?;
+        let (pids, children) =
+            haproxy_pair(&dir, "haproxy-mtls", (more[0], more[1]), backend, true).await?;
+        _peers.extend(children);
+        Some((more[0], pids))
+    } else {
+        None
+    };
 
     let ca = dir.join("identity");
     tether_identity::ca::init(&tether_identity::ca::InitOptions::new(&ca, "cluster.local"))?;
@@ -564,6 +673,14 @@ async fn main() -> anyhow::Result<()> {
             pids: haproxy_pids,
         },
     ];
+    if let Some((connect, pids)) = haproxy_mtls {
+        routes.push(Route {
+            name: s(HAPROXY_MTLS),
+            connect,
+            authority: s("web.bench.svc.cluster.local:8080"),
+            pids,
+        });
+    }
     let mut tether_pairs = Vec::new();
     let mut start_up = Vec::new();
     for (i, variant) in variants(&args).iter().enumerate() {
@@ -1089,7 +1206,7 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
     };
     let h = &sums[hi];
     println!("\nTether / HAProxy (same run; goal in brackets):");
-    for (r, t) in routes.iter().zip(sums).skip(hi + 1) {
+    for (r, t) in routes.iter().zip(sums).filter(|(r, _)| is_tether(r)) {
         let mut verdicts = Vec::new();
         let mut check = |what: String, ratio: f64, pass: bool| {
             println!(
@@ -1150,6 +1267,51 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
         );
         let passed = verdicts.iter().filter(|v| **v).count();
         println!("  {:<12} {passed} of {} goals met", r.name, verdicts.len());
+    }
+    if let Some(mi) = routes.iter().position(|r| r.name == HAPROXY_MTLS) {
+        report_against_haproxy_mtls(args, routes, sums, &sums[mi]);
+    }
+}
+
+/// The name of the HAProxy pair with mTLS and HTTP/2 between its proxies.
+const HAPROXY_MTLS: &str = "haproxy+mTLS";
+
+/// A route through a Tether pair (not direct, not an HAProxy pair).
+fn is_tether(route: &Route) -> bool {
+    !route.pids.is_empty() && !route.name.starts_with("haproxy")
+}
+
+/// Each Tether pair against the HAProxy pair that does the same work on
+/// the wire (mTLS, HTTP/2 between the proxies): what is Tether's own cost
+/// and what is the protocol's. Informational: issue 14's goals are against
+/// plaintext HAProxy.
+fn report_against_haproxy_mtls(args: &Args, routes: &[Route], sums: &[Summary], m: &Summary) {
+    let direct = &sums[0];
+    println!(
+        "\nTether / HAProxy with mTLS and HTTP/2 between its proxies (same run; informational, not a goal):"
+    );
+    for (r, t) in routes.iter().zip(sums).filter(|(r, _)| is_tether(r)) {
+        let line = |what: String, ratio: f64| println!("  {:<12} {what:<44} {ratio:>7.2}", r.name);
+        for (ri, rate) in args.rates.iter().enumerate() {
+            line(
+                format!("CPU per 1k req at {rate} req/s"),
+                t.fixed[ri].cpu_per_k / m.fixed[ri].cpu_per_k,
+            );
+        }
+        line(s_("max throughput"), t.max_rps / m.max_rps);
+        let (ri, rate) = (args.rates.len() - 1, args.rates[args.rates.len() - 1]);
+        let added_t = t.fixed[ri].p[1] - direct.fixed[ri].p[1];
+        let added_m = m.fixed[ri].p[1] - direct.fixed[ri].p[1];
+        let what = format!("added p99 at {rate} req/s ({added_t:+.3} vs {added_m:+.3} ms)");
+        if added_m < MEANINGFUL_ADDED_MS {
+            println!("  {:<12} {what:<44} {:>7}", r.name, "n/a");
+        } else {
+            line(what, added_t.max(0.0) / added_m);
+        }
+        line(
+            format!("RSS under load ({:.1} vs {:.1} MiB)", t.rss_mib, m.rss_mib),
+            t.rss_mib / m.rss_mib,
+        );
     }
 }
 
