@@ -13,11 +13,11 @@ use std::time::Duration;
 
 use futures::future::{BoxFuture, FutureExt, Shared};
 use http::{Request, Response};
-use hyper::body::Incoming;
-use hyper::client::conn::{http1, http2};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper::body::{Body as _, Incoming};
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
 
-use crate::http::{Body, Proto};
+use crate::http::{Body, BodyError, Proto};
 use crate::tls::Connector;
 
 /// Idle HTTP/1 connections kept per endpoint.
@@ -37,7 +37,10 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_millis(500);
 /// peer that cannot answer a PING within a second loses its connection.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(1);
 
-type H2 = (http2::SendRequest<Body>, bool);
+mod h2_conn;
+
+/// An HTTP/2 connection, and whether it is TLS.
+type H2 = (h2_conn::H2, bool);
 type H1Pool = Arc<Mutex<Vec<(http1::SendRequest<Body>, bool)>>>;
 type Connecting = Shared<BoxFuture<'static, Result<H2, String>>>;
 
@@ -60,7 +63,7 @@ pub struct EndpointClient {
 
 enum Kind {
     H1(http1::SendRequest<Body>, H1Pool),
-    H2(http2::SendRequest<Body>),
+    H2(h2_conn::Sender),
 }
 
 /// A connection ready to carry one request.
@@ -71,10 +74,10 @@ pub struct Connection {
 }
 
 impl Connection {
-    pub async fn send(self, req: Request<Body>) -> Result<Response<ResponseBody>, hyper::Error> {
+    pub async fn send(self, req: Request<Body>) -> Result<Response<ResponseBody>, BodyError> {
         match self.kind {
-            Kind::H2(mut s) => Ok(s.send_request(req).await?.map(|inner| ResponseBody {
-                inner,
+            Kind::H2(s) => Ok(s.send(req).await?.map(|body| ResponseBody {
+                inner: Inner::H2(body),
                 release: None,
             })),
             Kind::H1(mut s, pool) => {
@@ -86,7 +89,10 @@ impl Connection {
                         pool,
                         tls: self.tls,
                     });
-                Ok(rsp.map(|inner| ResponseBody { inner, release }))
+                Ok(rsp.map(|body| ResponseBody {
+                    inner: Inner::H1(body),
+                    release,
+                }))
             }
         }
     }
@@ -136,8 +142,22 @@ impl Release {
 /// back to the pool once it has been read to its end; a body dropped
 /// before its end leaves the connection to close (hyper does not reuse it).
 pub struct ResponseBody {
-    inner: Incoming,
+    inner: Inner,
     release: Option<Release>,
+}
+
+enum Inner {
+    H1(Incoming),
+    H2(h2_conn::H2Body),
+}
+
+impl Inner {
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Inner::H1(b) => b.is_end_stream(),
+            Inner::H2(b) => b.is_end_stream(),
+        }
+    }
 }
 
 impl hyper::body::Body for ResponseBody {
@@ -149,9 +169,10 @@ impl hyper::body::Body for ResponseBody {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, crate::http::BodyError>>>
     {
-        let polled = std::pin::Pin::new(&mut self.inner)
-            .poll_frame(cx)
-            .map_err(Into::into);
+        let polled = match &mut self.inner {
+            Inner::H1(b) => std::pin::Pin::new(b).poll_frame(cx).map_err(Into::into),
+            Inner::H2(b) => std::pin::Pin::new(b).poll_frame(cx),
+        };
         if let std::task::Poll::Ready(None) = polled {
             if let Some(release) = self.release.take() {
                 release.release();
@@ -165,7 +186,10 @@ impl hyper::body::Body for ResponseBody {
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
-        self.inner.size_hint()
+        match &self.inner {
+            Inner::H1(b) => b.size_hint(),
+            Inner::H2(b) => b.size_hint(),
+        }
     }
 }
 
@@ -173,7 +197,7 @@ impl Drop for ResponseBody {
     fn drop(&mut self) {
         // A server stops polling a body that says it has ended (an empty
         // body is never polled at all): ended is as good as read.
-        if hyper::body::Body::is_end_stream(&self.inner) {
+        if self.inner.is_end_stream() {
             if let Some(release) = self.release.take() {
                 release.release();
             }
@@ -223,8 +247,8 @@ impl EndpointClient {
     pub async fn connection(&self, proto: Proto) -> Result<Connection, String> {
         match proto {
             Proto::Http1 => self.h1().await,
-            Proto::Http2 => self.h2().await.map(|(s, tls)| Connection {
-                kind: Kind::H2(s),
+            Proto::Http2 => self.h2().await.map(|(h2, tls)| Connection {
+                kind: Kind::H2(h2.sender()),
                 tls,
             }),
         }
@@ -305,19 +329,10 @@ async fn h2_connect(
     connector: &Connector,
 ) -> Result<H2, String> {
     let (io, tls) = connector.connect(addr, identity).await?;
-    let (sender, conn) = http2::Builder::new(TokioExecutor::new())
-        .timer(hyper_util::rt::TokioTimer::new())
-        .keep_alive_interval(KEEPALIVE_INTERVAL)
-        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-        .handshake(TokioIo::new(io))
+    let h2 = h2_conn::handshake(io, addr)
         .await
         .map_err(|e| e.to_string())?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, %addr, "HTTP/2 connection ended");
-        }
-    });
-    Ok((sender, tls))
+    Ok((h2, tls))
 }
 
 #[cfg(test)]
@@ -334,9 +349,10 @@ mod tests {
                 let svc = hyper::service::service_fn(|_req| async {
                     Ok::<_, std::convert::Infallible>(http::Response::new(crate::http::full("ok")))
                 });
-                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
+                let _ =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
             });
         }
     }
@@ -439,5 +455,199 @@ mod tests {
         let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
         tokio::spawn(serve_h2(listener, Arc::default()));
         assert!(client.connection(Proto::Http2).await.is_ok());
+    }
+
+    /// Serves HTTP/2 with `svc` on a fresh listener, with the smallest
+    /// flow-control windows HTTP/2 allows.
+    async fn h2_server_with<F, Fut>(svc: F) -> SocketAddr
+    where
+        F: Fn(http::Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+        Fut: std::future::Future<Output = http::Response<Body>> + Send + 'static,
+    {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let svc = svc.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| {
+                        let rsp = svc(req);
+                        async move { Ok::<_, std::convert::Infallible>(rsp.await) }
+                    });
+                    let _ = hyper::server::conn::http2::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .initial_stream_window_size(65_535)
+                    .initial_connection_window_size(65_535)
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+                });
+            }
+        });
+        addr
+    }
+
+    async fn h2_send(addr: SocketAddr, req: http::Request<Body>) -> Response<ResponseBody> {
+        let client = EndpointClient::new(addr, None, Connector::plain(Duration::from_secs(5)));
+        let conn = client.connection(Proto::Http2).await.unwrap();
+        conn.send(req).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn http2_response_trailers_pass_through() {
+        use http_body_util::BodyExt;
+        let addr = h2_server_with(|_req| async {
+            let mut trailers = http::HeaderMap::new();
+            trailers.insert("grpc-status", http::HeaderValue::from_static("7"));
+            let frames = vec![
+                Ok::<_, BodyError>(hyper::body::Frame::data(bytes::Bytes::from_static(b"msg"))),
+                Ok(hyper::body::Frame::trailers(trailers)),
+            ];
+            http::Response::new(
+                http_body_util::StreamBody::new(futures::stream::iter(frames)).boxed(),
+            )
+        })
+        .await;
+        let rsp = h2_send(addr, http::Request::new(crate::http::empty())).await;
+        let collected = rsp.into_body().collect().await.unwrap();
+        assert_eq!(collected.trailers().unwrap()["grpc-status"], "7");
+        assert_eq!(&collected.to_bytes()[..], b"msg");
+    }
+
+    /// Whether the request's HEADERS frame ended its stream, and how long
+    /// its body was, as the server saw them.
+    async fn describe_request(req: http::Request<Incoming>) -> http::Response<Body> {
+        use http_body_util::BodyExt;
+        let ended_at_headers = req.body().is_end_stream();
+        let length = req.headers().get(http::header::CONTENT_LENGTH).cloned();
+        let body = req.into_body().collect().await.unwrap().to_bytes();
+        let mut rsp = http::Response::new(crate::http::full(body));
+        rsp.headers_mut().insert(
+            "x-ended-at-headers",
+            ended_at_headers.to_string().parse().unwrap(),
+        );
+        if let Some(length) = length {
+            rsp.headers_mut().insert("x-content-length", length);
+        }
+        rsp
+    }
+
+    #[tokio::test]
+    async fn an_ended_http2_request_is_sent_in_one_frame_with_its_length() {
+        use http_body_util::BodyExt;
+        let addr = h2_server_with(describe_request).await;
+        let rsp = h2_send(addr, http::Request::new(crate::http::empty())).await;
+        assert_eq!(rsp.headers()["x-ended-at-headers"], "true");
+        assert!(
+            !rsp.headers().contains_key("x-content-length"),
+            "a GET has none"
+        );
+        let mut post = http::Request::new(crate::http::full("abc"));
+        *post.method_mut() = http::Method::POST;
+        let rsp = h2_send(addr, post).await;
+        assert_eq!(rsp.headers()["x-ended-at-headers"], "false");
+        assert_eq!(rsp.headers()["x-content-length"], "3");
+        assert_eq!(
+            &rsp.into_body().collect().await.unwrap().to_bytes()[..],
+            b"abc"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_streamed_http2_request_body_larger_than_the_window_arrives_whole() {
+        use http_body_util::BodyExt;
+        let addr = h2_server_with(describe_request).await;
+        // 1 MiB in chunks of 64 KiB, against windows of 64 KiB: sent only
+        // as the server's reads open them.
+        let sent: Vec<u8> = (0..1024 * 1024).map(|i| (i % 251) as u8).collect();
+        let chunks: Vec<Result<hyper::body::Frame<bytes::Bytes>, BodyError>> = sent
+            .chunks(64 * 1024)
+            .map(|c| Ok(hyper::body::Frame::data(bytes::Bytes::copy_from_slice(c))))
+            .collect();
+        let mut req = http::Request::new(
+            http_body_util::StreamBody::new(futures::stream::iter(chunks)).boxed(),
+        );
+        *req.method_mut() = http::Method::POST;
+        let rsp = h2_send(addr, req).await;
+        assert_eq!(rsp.headers()["x-ended-at-headers"], "false");
+        let echoed = rsp.into_body().collect().await.unwrap().to_bytes();
+        assert!(
+            echoed[..] == sent[..],
+            "{} bytes back of {}",
+            echoed.len(),
+            sent.len()
+        );
+    }
+
+    /// A body that ends the way a peer's HTTP/2 stream often does: its
+    /// last frame is empty, and after it the body says it has ended.
+    struct EndsWithEmptyFrame(Vec<bytes::Bytes>);
+
+    impl hyper::body::Body for EndsWithEmptyFrame {
+        type Data = bytes::Bytes;
+        type Error = BodyError;
+
+        fn poll_frame(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, BodyError>>> {
+            let next = (!self.0.is_empty()).then(|| self.0.remove(0));
+            std::task::Poll::Ready(next.map(|data| Ok(hyper::body::Frame::data(data))))
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.0.is_empty()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_body_ending_with_an_empty_frame_ends_its_stream() {
+        use http_body_util::BodyExt;
+        let addr = h2_server_with(describe_request).await;
+        let body = EndsWithEmptyFrame(vec![bytes::Bytes::from_static(b"abc"), bytes::Bytes::new()]);
+        let mut req = http::Request::new(body.boxed());
+        *req.method_mut() = http::Method::POST;
+        // The server answers once the request's stream has ended.
+        let rsp = tokio::time::timeout(Duration::from_secs(30), h2_send(addr, req))
+            .await
+            .expect("the request's stream ended");
+        assert_eq!(
+            &rsp.into_body().collect().await.unwrap().to_bytes()[..],
+            b"abc"
+        );
+    }
+
+    #[tokio::test]
+    async fn keep_alive_closes_a_connection_whose_peer_stops_answering() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // A peer that sends its SETTINGS, then reads on and never answers
+        // anything (a PING included): a peer behind a cut link.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            stream
+                .write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0])
+                .await
+                .unwrap();
+            let mut sink = [0u8; 4096];
+            while stream.read(&mut sink).await.is_ok_and(|n| n > 0) {}
+        });
+        let client = EndpointClient::new(addr, None, Connector::plain(Duration::from_secs(5)));
+        let conn = client.connection(Proto::Http2).await.unwrap();
+        // Bounded by the keep-alive's own figures, with room for a loaded
+        // machine; without the keep-alive it would wait forever.
+        let bound = 10 * (2 * KEEPALIVE_INTERVAL + KEEPALIVE_TIMEOUT);
+        let failed =
+            tokio::time::timeout(bound, conn.send(http::Request::new(crate::http::empty())))
+                .await
+                .expect("the keep-alive fails the request")
+                .err()
+                .expect("no answer came");
+        assert!(failed.to_string().contains("keep-alive"), "{failed}");
+        let H2Slot::Ready((h2, _)) = &*client.h2.lock().unwrap() else {
+            panic!("the connection was kept");
+        };
+        assert!(h2.is_closed(), "the next request connects anew");
     }
 }

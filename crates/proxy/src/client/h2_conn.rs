@@ -1,0 +1,550 @@
+//! HTTP/2 to one endpoint, driven with the `h2` crate directly.
+//!
+//! hyper's HTTP/2 client hands every request to its connection task through
+//! a channel, answers through a oneshot, and spawns a task per request to
+//! wait for the response. Here a request is sent from its own task and
+//! its response awaited there: the connection task only drives the
+//! connection (and the keep-alive). A request body that has not ended when
+//! the request is sent (a gRPC stream, an upload) is piped by a task of
+//! its own, with flow control; most requests have none.
+
+use std::future::{poll_fn, Future};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderValue};
+use http::{Method, Request, Response};
+use hyper::body::{Body as _, Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::oneshot;
+
+use super::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
+use crate::http::{Body, BodyError};
+
+// hyper's HTTP/2 client defaults (hyper 1.x `proto/h2/client.rs`), kept
+// as they were when hyper drove these connections: the windows let one
+// stream run at full speed over a long link, and cost memory only when a
+// peer fills them.
+const CONN_WINDOW: u32 = 5 * 1024 * 1024;
+const STREAM_WINDOW: u32 = 2 * 1024 * 1024;
+const MAX_FRAME_SIZE: u32 = 16 * 1024;
+const MAX_SEND_BUFFER: usize = 1024 * 1024;
+const MAX_HEADER_LIST_SIZE: u32 = 16 * 1024;
+/// Streams opened before the server's SETTINGS say how many it takes.
+const INITIAL_MAX_SEND_STREAMS: usize = 100;
+/// Streams the peer may make this side reset for its errors before the
+/// connection is closed (a misbehaving peer).
+const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+
+/// What a connection's task and its requests share.
+#[derive(Default)]
+struct Shared {
+    /// Requests waiting for or reading their response: the keep-alive
+    /// pings only while there are some.
+    in_flight: AtomicUsize,
+    /// Reads from the socket that returned bytes: the peer is alive.
+    reads: AtomicU64,
+    /// The connection ended, or refused a new stream (GOAWAY): the next
+    /// request connects anew.
+    closed: AtomicBool,
+    /// Closed because a PING went unanswered.
+    timed_out: AtomicBool,
+}
+
+/// A handle on one HTTP/2 connection.
+#[derive(Clone)]
+pub(super) struct H2 {
+    send: h2::client::SendRequest<Bytes>,
+    shared: Arc<Shared>,
+    /// Dropped with the last handle, which wakes the connection task to
+    /// close the connection once its streams are done (h2 does not wake
+    /// it when the last `SendRequest` goes).
+    _handles: Arc<oneshot::Sender<()>>,
+}
+
+impl H2 {
+    pub(super) fn is_closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Acquire)
+    }
+
+    /// What one request needs of the connection.
+    pub(super) fn sender(&self) -> Sender {
+        Sender {
+            send: self.send.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// Opens HTTP/2 on `io` and spawns the task that drives it.
+pub(super) async fn handshake<I>(io: I, addr: std::net::SocketAddr) -> Result<H2, h2::Error>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let shared = Arc::new(Shared::default());
+    let io = CountReads {
+        io,
+        shared: shared.clone(),
+    };
+    let (send, mut conn) = h2::client::Builder::new()
+        .initial_max_send_streams(INITIAL_MAX_SEND_STREAMS)
+        .initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONN_WINDOW)
+        .max_frame_size(MAX_FRAME_SIZE)
+        .max_header_list_size(MAX_HEADER_LIST_SIZE)
+        .max_send_buffer_size(MAX_SEND_BUFFER)
+        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
+        .enable_push(false)
+        .handshake::<_, Bytes>(io)
+        .await?;
+    let (handles_tx, handles_rx) = oneshot::channel();
+    let keep_alive = KeepAlive {
+        ping_pong: conn.ping_pong().expect("taken once"),
+        state: KeepAliveState::Idle,
+        sleep: Box::pin(tokio::time::sleep(KEEPALIVE_INTERVAL)),
+    };
+    let driver = Driver {
+        conn,
+        keep_alive,
+        handles: Some(handles_rx),
+        shared: shared.clone(),
+    };
+    tokio::spawn(async move {
+        match driver.await {
+            Ok(()) => tracing::debug!(%addr, "HTTP/2 connection ended"),
+            Err(e) => tracing::debug!(error = %e, %addr, "HTTP/2 connection ended"),
+        }
+    });
+    Ok(H2 {
+        send,
+        shared,
+        _handles: Arc::new(handles_tx),
+    })
+}
+
+/// Counts the reads that returned bytes, for the keep-alive.
+struct CountReads<I> {
+    io: I,
+    shared: Arc<Shared>,
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for CountReads<I> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.io).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.shared.reads.fetch_add(1, Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for CountReads<I> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// The connection's task: drives h2's connection and the keep-alive.
+/// Dropping the connection (a PING unanswered) fails its streams.
+struct Driver<I> {
+    conn: h2::client::Connection<CountReads<I>, Bytes>,
+    keep_alive: KeepAlive,
+    handles: Option<oneshot::Receiver<()>>,
+    shared: Arc<Shared>,
+}
+
+impl<I: AsyncRead + AsyncWrite + Unpin> Future for Driver<I> {
+    type Output = Result<(), h2::Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if let Some(handles) = &mut this.handles {
+            // Every handle is gone: polling the connection again lets it
+            // see that nothing refers to it any more.
+            if Pin::new(handles).poll(cx).is_ready() {
+                this.handles = None;
+            }
+        }
+        // Marked closed before the connection is dropped, which is what
+        // fails its streams: a request that fails sees the mark.
+        if let Poll::Ready(result) = Pin::new(&mut this.conn).poll(cx) {
+            this.shared.closed.store(true, Ordering::Release);
+            return Poll::Ready(result);
+        }
+        if this.keep_alive.poll(cx, &this.shared).is_ready() {
+            this.shared.timed_out.store(true, Ordering::Release);
+            this.shared.closed.store(true, Ordering::Release);
+            tracing::debug!("HTTP/2 keep-alive: no answer to a PING; closing the connection");
+            return Poll::Ready(Ok(()));
+        }
+        Poll::Pending
+    }
+}
+
+/// While requests are in flight on a connection that has read nothing for
+/// [`KEEPALIVE_INTERVAL`], a PING; no answer within [`KEEPALIVE_TIMEOUT`]
+/// closes the connection. Polled whenever the connection's task is (a new
+/// request wakes it), so an idle connection has no timer running.
+struct KeepAlive {
+    ping_pong: h2::PingPong,
+    state: KeepAliveState,
+    sleep: Pin<Box<tokio::time::Sleep>>,
+}
+
+enum KeepAliveState {
+    /// Nothing in flight.
+    Idle,
+    /// Requests in flight; `reads` when the interval started.
+    Watching {
+        reads: u64,
+    },
+    PingSent,
+}
+
+impl KeepAlive {
+    /// Ready when the peer did not answer a PING in time.
+    fn poll(&mut self, cx: &mut Context<'_>, shared: &Shared) -> Poll<()> {
+        loop {
+            let busy = shared.in_flight.load(Ordering::Acquire) > 0;
+            let reads = shared.reads.load(Ordering::Relaxed);
+            match self.state {
+                KeepAliveState::Idle => {
+                    if !busy {
+                        return Poll::Pending;
+                    }
+                    self.watch(reads);
+                }
+                KeepAliveState::Watching { reads: then } => {
+                    ready!(self.sleep.as_mut().poll(cx));
+                    if !busy {
+                        self.state = KeepAliveState::Idle;
+                        return Poll::Pending;
+                    }
+                    if reads != then {
+                        self.watch(reads);
+                        continue;
+                    }
+                    if self.ping_pong.send_ping(h2::Ping::opaque()).is_err() {
+                        // The connection is failing on its own.
+                        self.state = KeepAliveState::Idle;
+                        return Poll::Pending;
+                    }
+                    self.state = KeepAliveState::PingSent;
+                    let deadline = tokio::time::Instant::now() + KEEPALIVE_TIMEOUT;
+                    self.sleep.as_mut().reset(deadline);
+                }
+                KeepAliveState::PingSent => {
+                    if let Poll::Ready(answered) = self.ping_pong.poll_pong(cx) {
+                        if answered.is_err() {
+                            self.state = KeepAliveState::Idle;
+                            return Poll::Pending;
+                        }
+                        self.watch(reads);
+                        continue;
+                    }
+                    ready!(self.sleep.as_mut().poll(cx));
+                    return Poll::Ready(());
+                }
+            }
+        }
+    }
+
+    fn watch(&mut self, reads: u64) {
+        self.state = KeepAliveState::Watching { reads };
+        let deadline = tokio::time::Instant::now() + KEEPALIVE_INTERVAL;
+        self.sleep.as_mut().reset(deadline);
+    }
+}
+
+/// Counts one request in flight until dropped (with its response body).
+struct InFlight(Arc<Shared>);
+
+impl InFlight {
+    fn enter(shared: &Arc<Shared>) -> Self {
+        shared.in_flight.fetch_add(1, Ordering::AcqRel);
+        Self(shared.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One request's share of a connection.
+pub(super) struct Sender {
+    send: h2::client::SendRequest<Bytes>,
+    shared: Arc<Shared>,
+}
+
+impl Sender {
+    pub(super) async fn send(self, req: Request<Body>) -> Result<Response<H2Body>, BodyError> {
+        let Sender { send, shared } = self;
+        let (mut parts, body) = req.into_parts();
+        strip_connection_specific(&mut parts.headers);
+        if let Some(len) = body.size_hint().exact() {
+            if len != 0 || has_payload_semantics(&parts.method) {
+                parts
+                    .headers
+                    .entry(header::CONTENT_LENGTH)
+                    .or_insert_with(|| HeaderValue::from(len));
+            }
+        }
+        let end_of_stream = body.is_end_stream();
+        // Counted before the connection's task hears of the stream, so the
+        // keep-alive sees it in flight.
+        let in_flight = InFlight::enter(&shared);
+        let mut send = send.ready().await.map_err(|e| closing(&shared, e))?;
+        let (response, stream) = send
+            .send_request(Request::from_parts(parts, ()), end_of_stream)
+            .map_err(|e| closing(&shared, e))?;
+        drop(send);
+        let cancel = (!end_of_stream).then(|| pipe(body, stream));
+        let rsp = response.await.map_err(|e| {
+            if shared.timed_out.load(Ordering::Acquire) {
+                return BodyError::from("HTTP/2 keep-alive: the peer did not answer a PING");
+            }
+            if e.is_go_away() {
+                shared.closed.store(true, Ordering::Release);
+            }
+            e.into()
+        })?;
+        if let Some(cancel) = cancel {
+            cancel.disarm();
+        }
+        let remaining = content_length(rsp.headers());
+        Ok(rsp.map(|recv| H2Body {
+            recv,
+            remaining,
+            data_done: false,
+            _in_flight: in_flight,
+        }))
+    }
+}
+
+/// A connection that fails to open a stream takes no more.
+fn closing(shared: &Shared, e: h2::Error) -> BodyError {
+    shared.closed.store(true, Ordering::Release);
+    e.into()
+}
+
+/// Connection-specific headers, which h2 refuses to send (hyper removed
+/// them; the proxy's own stripping leaves an upgrade's pair).
+fn strip_connection_specific(headers: &mut HeaderMap) {
+    if let Some(connection) = headers.remove(header::CONNECTION) {
+        if let Ok(names) = connection.to_str() {
+            for name in names.split(',') {
+                headers.remove(name.trim());
+            }
+        }
+    }
+    for name in [header::TRANSFER_ENCODING, header::UPGRADE] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+    if headers.get(header::TE).is_some_and(|te| te != "trailers") {
+        headers.remove(header::TE);
+    }
+}
+
+fn has_payload_semantics(method: &Method) -> bool {
+    !matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::DELETE | Method::CONNECT
+    )
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// Resets the stream when the request is given up before its response
+/// came (a timeout, a failover), so the peer stops too.
+struct CancelOnDrop(Option<oneshot::Sender<()>>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl CancelOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+/// Sends `body` on `stream` from a task of its own.
+fn pipe(body: Body, mut stream: h2::SendStream<Bytes>) -> CancelOnDrop {
+    let (cancel_tx, cancel_rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let reset = tokio::select! {
+            sent = send_body(body, &mut stream) => sent.err().flatten(),
+            Ok(()) = cancel_rx => Some(h2::Reason::CANCEL),
+        };
+        if let Some(reason) = reset {
+            stream.send_reset(reason);
+        }
+    });
+    CancelOnDrop(Some(cancel_tx))
+}
+
+/// Sends a body's frames as the peer's flow control allows. Fails with the
+/// reason to reset the stream with, or none when the stream is gone.
+async fn send_body(
+    mut body: Body,
+    stream: &mut h2::SendStream<Bytes>,
+) -> Result<(), Option<h2::Reason>> {
+    loop {
+        let frame = poll_fn(|cx| {
+            if stream.poll_reset(cx).is_ready() {
+                return Poll::Ready(None);
+            }
+            Pin::new(&mut body).poll_frame(cx).map(Some)
+        })
+        .await
+        .ok_or(None)?;
+        let frame = match frame {
+            None => return stream.send_data(Bytes::new(), true).map_err(|_| None),
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "request body failed; resetting its stream");
+                return Err(Some(h2::Reason::INTERNAL_ERROR));
+            }
+            Some(Ok(frame)) => frame,
+        };
+        let mut data = match frame.into_data() {
+            Ok(data) => data,
+            Err(frame) => {
+                if let Ok(trailers) = frame.into_trailers() {
+                    return stream.send_trailers(trailers).map_err(|_| None);
+                }
+                continue;
+            }
+        };
+        let end = body.is_end_stream();
+        if data.is_empty() {
+            // An empty frame (a peer's way to end its stream, often).
+            if end {
+                return stream.send_data(data, true).map_err(|_| None);
+            }
+            continue;
+        }
+        while !data.is_empty() {
+            stream.reserve_capacity(data.len());
+            let granted = loop {
+                let capacity = stream.capacity();
+                if capacity > 0 {
+                    break capacity;
+                }
+                poll_fn(|cx| {
+                    if stream.poll_reset(cx).is_ready() {
+                        return Poll::Ready(None);
+                    }
+                    stream.poll_capacity(cx)
+                })
+                .await
+                .and_then(Result::ok)
+                .ok_or(None)?;
+            };
+            let chunk = data.split_to(granted.min(data.len()));
+            stream
+                .send_data(chunk, end && data.is_empty())
+                .map_err(|_| None)?;
+        }
+        if end {
+            return Ok(());
+        }
+    }
+}
+
+/// A response body read from h2: gives back flow-control capacity as its
+/// data is taken, and ends with the trailers (gRPC's status).
+pub struct H2Body {
+    recv: h2::RecvStream,
+    /// Data still to come, when the response said how much.
+    remaining: Option<u64>,
+    data_done: bool,
+    _in_flight: InFlight,
+}
+
+impl hyper::body::Body for H2Body {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = &mut *self;
+        if !this.data_done {
+            match ready!(this.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    let _ = this.recv.flow_control().release_capacity(data.len());
+                    if let Some(remaining) = &mut this.remaining {
+                        *remaining = remaining.saturating_sub(data.len() as u64);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+                None => this.data_done = true,
+            }
+        }
+        match ready!(this.recv.poll_trailers(cx)) {
+            Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
+            Ok(None) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(e.into()))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.remaining {
+            Some(remaining) => SizeHint::with_exact(remaining),
+            None => SizeHint::default(),
+        }
+    }
+}
