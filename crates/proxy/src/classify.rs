@@ -14,15 +14,13 @@ use hyper::body::{Frame, SizeHint};
 
 use crate::http::{status_class, ReplyBody};
 
+/// `grpc-status` as a static name: a name looked up as a `&str` is parsed
+/// again on every call.
+const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+
 /// `grpc-status`, when present.
 pub fn grpc_status(headers: &HeaderMap) -> Option<u32> {
-    headers
-        .get("grpc-status")?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+    headers.get(GRPC_STATUS)?.to_str().ok()?.trim().parse().ok()
 }
 
 /// What is told a response's class, once, when it is known.
@@ -95,8 +93,9 @@ pub fn classify<R: Record>(
     record: R,
 ) -> http::Response<Classified<R>> {
     let grpc = crate::http::is_grpc(rsp.headers());
-    let class = match (grpc, grpc_status(rsp.headers())) {
-        (true, Some(code)) if code != 0 => "grpc_error",
+    // Only a gRPC response's headers are looked at for a status.
+    let class = match grpc.then(|| grpc_status(rsp.headers())).flatten() {
+        Some(code) if code != 0 => "grpc_error",
         _ => status_class(rsp.status()),
     };
     let (parts, body) = rsp.into_parts();

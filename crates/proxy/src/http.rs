@@ -77,8 +77,12 @@ pub const ORIG_PROTO_HEADER: HeaderName = HeaderName::from_static(ORIG_PROTO);
 /// inbound (and never passed on) so proxies of both versions interoperate
 /// while a mesh is upgraded. Never sent.
 pub const LEGACY_ORIG_PROTO: &str = "tether-orig-proto";
+pub const LEGACY_ORIG_PROTO_HEADER: HeaderName = HeaderName::from_static(LEGACY_ORIG_PROTO);
 /// Names why the proxy, not the app, answered a request.
 pub const PROXY_ERROR: &str = "tether-proxy-error";
+/// [`PROXY_ERROR`] as a header name: a name looked up as a `&str` is
+/// parsed and checked again on every call, a static one is not.
+pub const PROXY_ERROR_HEADER: HeaderName = HeaderName::from_static(PROXY_ERROR);
 /// The header carrying the client's verified identity to the app.
 pub const CLIENT_ID: &str = "tether-client-id";
 pub const CLIENT_ID_HEADER: HeaderName = HeaderName::from_static(CLIENT_ID);
@@ -156,8 +160,8 @@ impl OrigProto {
 /// The request's HTTP/1 origin, when a peer proxy marked it (under either
 /// name); both markers are removed, whatever their value.
 pub fn take_orig_proto(headers: &mut HeaderMap) -> Option<OrigProto> {
-    let current = headers.remove(ORIG_PROTO);
-    let legacy = headers.remove(LEGACY_ORIG_PROTO);
+    let current = headers.remove(ORIG_PROTO_HEADER);
+    let legacy = headers.remove(LEGACY_ORIG_PROTO_HEADER);
     match (current, legacy) {
         (Some(v), _) => OrigProto::parse(&v, false),
         (None, Some(v)) => OrigProto::parse(&v, true),
@@ -167,28 +171,32 @@ pub fn take_orig_proto(headers: &mut HeaderMap) -> Option<OrigProto> {
 
 /// Removes mesh-asserted headers, and any spelling an app could read as
 /// one: CGI and WSGI turn `tether_client_id` into the same variable as
-/// `tether-client-id`.
+/// `tether-client-id`. One pass over the names decides: a request carries
+/// none of them nearly always, and then nothing is looked up or removed.
 pub fn strip_mesh_asserted(headers: &mut HeaderMap) {
-    let spelled_alike = |name: &HeaderName| {
-        let name = name.as_str();
-        name.contains('_')
-            && MESH_ASSERTED
-                .iter()
-                .any(|m| name.len() == m.len() && name.replace('_', "-") == *m)
-    };
-    let lookalikes: Vec<HeaderName> = headers
+    if !headers.keys().any(is_mesh_asserted) {
+        return;
+    }
+    let found: Vec<HeaderName> = headers
         .keys()
-        .filter(|n| spelled_alike(n))
+        .filter(|n| is_mesh_asserted(n))
         .cloned()
         .collect();
-    for name in MESH_ASSERTED
-        .iter()
-        .copied()
-        .map(HeaderName::from_static)
-        .chain(lookalikes)
-    {
+    for name in found {
         headers.remove(name);
     }
+}
+
+/// A mesh-asserted name, spelled with `-` or `_` (names are lowercase).
+fn is_mesh_asserted(name: &HeaderName) -> bool {
+    let name = name.as_str().as_bytes();
+    MESH_ASSERTED.iter().any(|m| {
+        name.len() == m.len()
+            && name
+                .iter()
+                .zip(m.bytes())
+                .all(|(&n, m)| n == m || (n == b'_' && m == b'-'))
+    })
 }
 
 /// What the proxy answers on a connection whose first line is not a valid
@@ -222,6 +230,11 @@ pub fn empty() -> Body {
 /// needs on every hop (`Connection: upgrade`, `Upgrade`; see
 /// [`crate::upgrade`]).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // One pass over the names decides: most messages carry none of these
+    // (HTTP/2 never does), and then nothing is looked up or removed.
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
     let upgrade = crate::upgrade::wants_upgrade(headers)
         .then(|| headers.get(header::UPGRADE).cloned())
         .flatten();
@@ -250,8 +263,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     ] {
         headers.remove(name);
     }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
+    headers.remove(KEEP_ALIVE);
+    headers.remove(PROXY_CONNECTION);
     if headers.get(header::TE).is_some_and(|v| v != "trailers") {
         headers.remove(header::TE);
     }
@@ -261,13 +274,36 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
+/// A name [`strip_hop_by_hop`] has work to do for (`TE` only by its value).
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "transfer-encoding"
+            | "upgrade"
+            | "proxy-authorization"
+            | "proxy-authenticate"
+            | "te"
+            | "keep-alive"
+            | "proxy-connection"
+    )
+}
+
 /// Removes the headers a `Connection` header value names.
 fn remove_named(headers: &mut HeaderMap, connection: &HeaderValue) {
     let Ok(names) = connection.to_str() else {
         return;
     };
-    for name in names.split(',') {
-        headers.remove(name.trim());
+    for name in names.split(',').map(str::trim) {
+        // Removed by their static names anyway (`Connection: keep-alive`
+        // is the usual value): nothing to parse a name from.
+        if name.eq_ignore_ascii_case("keep-alive") || name.eq_ignore_ascii_case("upgrade") {
+            continue;
+        }
+        headers.remove(name);
     }
 }
 
@@ -275,6 +311,9 @@ fn remove_named(headers: &mut HeaderMap, connection: &HeaderValue) {
 /// `101 Switching Protocols` (elsewhere it would be one more header an
 /// HTTP/2 client's connection must drop).
 pub fn strip_hop_by_hop_response(status: StatusCode, headers: &mut HeaderMap) {
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
     strip_hop_by_hop(headers);
     if status != StatusCode::SWITCHING_PROTOCOLS {
         headers.remove(header::CONNECTION);
@@ -326,7 +365,8 @@ pub fn error_response(err: &ProxyError, grpc: bool) -> Response<Body> {
         );
         r
     };
-    rsp.headers_mut().insert(PROXY_ERROR, header_value(&msg));
+    rsp.headers_mut()
+        .insert(PROXY_ERROR_HEADER, header_value(&msg));
     rsp
 }
 

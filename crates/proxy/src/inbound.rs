@@ -35,10 +35,10 @@ use crate::http::Proto;
 use crate::http::{
     error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
     strip_hop_by_hop_response, strip_mesh_asserted, take_orig_proto, ReplyBody, CLIENT_ID_HEADER,
-    L5D_CLIENT_ID_HEADER, ORIG_PROTO, ORIG_PROTO_HEADER, PROXY_ERROR,
+    L5D_CLIENT_ID_HEADER, ORIG_PROTO_HEADER, PROXY_ERROR_HEADER,
 };
 use crate::inbound_policy::{Client, Workload};
-use crate::metrics::{CountedBody, Hop, ProxyMetrics};
+use crate::metrics::{CountedBody, Hop, ProxyMetrics, Series};
 use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
 use crate::tls::{BoxedIo, Connector, TlsMode};
 
@@ -362,13 +362,10 @@ impl Inbound {
         };
         if req.method() == http::Method::CONNECT {
             let rsp = error_response(&ProxyError::ConnectUnsupported, grpc).map(ReplyBody::Made);
-            return self.metrics.record_response(
-                rsp,
-                "inbound",
-                authority,
-                start.elapsed(),
-                hop.clone(),
-            );
+            let series = peer_id.series(&self.metrics, authority);
+            return self
+                .metrics
+                .record_series(rsp, series, start.elapsed(), hop, None);
         }
         let peer = hop
             .peer
@@ -377,12 +374,13 @@ impl Inbound {
             .authz
             .check_request(&req, &authority, &client_of(hop, peer));
         if let Some(error) = self.refusal(verdict) {
-            return self.metrics.record_response(
+            let series = peer_id.series(&self.metrics, authority);
+            return self.metrics.record_series(
                 error_response(&error, grpc).map(ReplyBody::Made),
-                "inbound",
-                authority,
+                series,
                 start.elapsed(),
-                hop.clone(),
+                hop,
+                None,
             );
         }
         let version = req.version();
@@ -437,8 +435,8 @@ impl Inbound {
                 strip_hop_by_hop_response(parts.status, &mut parts.headers);
                 // Only the proxy may say that it, not the app, failed: the
                 // client's proxy retries on that word.
-                parts.headers.remove(PROXY_ERROR);
-                parts.headers.remove(ORIG_PROTO);
+                parts.headers.remove(PROXY_ERROR_HEADER);
+                parts.headers.remove(ORIG_PROTO_HEADER);
                 if orig.is_some_and(|o| !o.legacy) {
                     // As linkerd2-proxy's inbound answers (its outbound
                     // removes it); a Tether proxy older than this name
@@ -459,14 +457,9 @@ impl Inbound {
         if let Some(upgrade) = upgrade {
             upgrade.splice(&mut rsp);
         }
-        self.metrics.record_tapped_response(
-            rsp,
-            "inbound",
-            authority,
-            start.elapsed(),
-            hop.clone(),
-            tapped,
-        )
+        let series = peer_id.series(&self.metrics, authority);
+        self.metrics
+            .record_series(rsp, series, start.elapsed(), hop, tapped)
     }
 
     /// `authority` as a shared label, the last one's when it is the same.
@@ -561,6 +554,9 @@ impl Inbound {
 struct PeerId {
     hop: Hop,
     header: Option<HeaderValue>,
+    /// The metric series of the authority its requests named last: a
+    /// connection's requests name the same one nearly always.
+    series: std::sync::Mutex<Option<Arc<Series>>>,
 }
 
 impl PeerId {
@@ -569,7 +565,25 @@ impl PeerId {
             .client_id
             .as_deref()
             .and_then(|id| HeaderValue::from_str(id).ok());
-        Self { hop, header }
+        Self {
+            hop,
+            header,
+            series: Default::default(),
+        }
+    }
+
+    /// The series of this client's requests to `authority`.
+    fn series(&self, metrics: &ProxyMetrics, authority: Arc<str>) -> Arc<Series> {
+        let mut last = self.series.lock().unwrap();
+        match &*last {
+            Some(series) if series.is_for(&authority) => series.clone(),
+            _ => {
+                let client_id = self.hop.client_id.clone();
+                let series = Arc::new(metrics.series("inbound", authority, client_id));
+                *last = Some(series.clone());
+                series
+            }
+        }
     }
 }
 

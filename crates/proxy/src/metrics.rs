@@ -1,7 +1,7 @@
 //! The proxy's metrics: requests by authority and status class, response
 //! latency, open connections.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -372,10 +372,68 @@ impl ProxyMetrics {
         crate::classify::classify(
             rsp,
             CountOnEnd {
-                requests: self.requests.clone(),
-                route: route_labels,
+                count: Count::Labels {
+                    requests: self.requests.clone(),
+                    route: route_labels,
+                    client_id,
+                },
                 tls,
-                client_id,
+                tap_end,
+            },
+        )
+    }
+
+    /// The series of responses labelled `direction`, `authority`, no
+    /// route and `client_id`, for [`Self::record_series`].
+    pub fn series(
+        &self,
+        direction: &'static str,
+        authority: Arc<str>,
+        client_id: Option<Arc<str>>,
+    ) -> Series {
+        let latency = self
+            .latency
+            .get_or_create(&RouteLabels {
+                direction,
+                authority: authority.clone(),
+                route: None,
+            })
+            .clone();
+        Series {
+            direction,
+            authority,
+            client_id: client_id.filter(|id| !id.is_empty()),
+            latency,
+            families: self.requests.clone(),
+            requests: Default::default(),
+        }
+    }
+
+    /// [`Self::record_tapped_response`] into series found before: the
+    /// same series, without looking them up in the families.
+    pub fn record_series(
+        &self,
+        rsp: http::Response<crate::http::ReplyBody>,
+        series: Arc<Series>,
+        latency: std::time::Duration,
+        hop: &Hop,
+        tapped: Option<crate::tap::TapRequest>,
+    ) -> http::Response<CountedBody> {
+        let tap_end = tapped.and_then(|t| {
+            t.respond(
+                &self.tap,
+                series.direction,
+                &series.authority,
+                rsp.status(),
+                hop,
+            )
+        });
+        series.latency.observe(latency.as_secs_f64());
+        crate::classify::classify(
+            rsp,
+            CountOnEnd {
+                count: Count::Series(series),
+                tls: hop.tls,
                 tap_end,
             },
         )
@@ -401,30 +459,89 @@ pub type CountedBody = crate::classify::Classified<CountOnEnd>;
 /// Counts a response by class (and ends its tap event) when its outcome
 /// is known.
 pub struct CountOnEnd {
-    requests: Family<RequestLabels, Counter>,
-    route: RouteLabels,
+    count: Count,
     tls: bool,
-    client_id: Option<Arc<str>>,
     tap_end: Option<crate::tap::TapEnd>,
+}
+
+/// Where [`CountOnEnd`] counts: a series looked up by its labels, or one
+/// found before.
+enum Count {
+    Labels {
+        requests: Family<RequestLabels, Counter>,
+        route: RouteLabels,
+        client_id: Option<Arc<str>>,
+    },
+    Series(Arc<Series>),
+}
+
+/// The series of one stream of responses with the same labels but their
+/// class (a service's default route, an inbound connection's authority),
+/// looked up in the families once and kept by whoever sees them request
+/// after request: hashing a label set costs more than the rest of
+/// counting a response. Only for series nobody removes (those without a
+/// route): a removed series' handle would go on counting unseen.
+pub struct Series {
+    direction: &'static str,
+    authority: Arc<str>,
+    client_id: Option<Arc<str>>,
+    latency: Histogram,
+    families: Family<RequestLabels, Counter>,
+    /// By class (its index in [`CLASSES`]) and TLS, made at the first
+    /// response of each, as the family would.
+    requests: [[OnceLock<Counter>; 2]; CLASSES.len()],
+}
+
+impl Series {
+    /// Whether these are the series of `authority`.
+    pub fn is_for(&self, authority: &str) -> bool {
+        *self.authority == *authority
+    }
+
+    fn count(&self, class: &'static str, tls: bool) {
+        let labels = || RequestLabels {
+            direction: self.direction,
+            authority: self.authority.clone(),
+            route: None,
+            status_class: class,
+            tls,
+            client_id: self.client_id.clone(),
+        };
+        match CLASSES.iter().position(|c| *c == class) {
+            Some(i) => self.requests[i][usize::from(tls)]
+                .get_or_init(|| self.families.get_or_create(&labels()).clone())
+                .inc(),
+            None => self.families.get_or_create(&labels()).inc(),
+        };
+    }
 }
 
 impl crate::classify::Record for CountOnEnd {
     fn record(self, class: &'static str) {
-        let RouteLabels {
-            direction,
-            authority,
-            route,
-        } = self.route;
-        self.requests
-            .get_or_create(&RequestLabels {
-                direction,
-                authority,
-                route,
-                status_class: class,
-                tls: self.tls,
-                client_id: self.client_id.filter(|id| !id.is_empty()),
-            })
-            .inc();
+        match self.count {
+            Count::Labels {
+                requests,
+                route:
+                    RouteLabels {
+                        direction,
+                        authority,
+                        route,
+                    },
+                client_id,
+            } => {
+                requests
+                    .get_or_create(&RequestLabels {
+                        direction,
+                        authority,
+                        route,
+                        status_class: class,
+                        tls: self.tls,
+                        client_id: client_id.filter(|id| !id.is_empty()),
+                    })
+                    .inc();
+            }
+            Count::Series(series) => series.count(class, self.tls),
+        }
         if let Some(end) = self.tap_end {
             end.finish(class);
         }
@@ -474,6 +591,63 @@ mod tests {
             .collect();
         assert_eq!(series.len(), 1, "{text}");
         assert!(series[0].ends_with(" 2"), "{text}");
+    }
+
+    /// A kept series counts exactly what looking its labels up counts:
+    /// the exposition of both is the same, class by class.
+    #[tokio::test]
+    async fn a_kept_series_counts_as_its_labels_do() {
+        let kept = ProxyMetrics::default();
+        let looked_up = ProxyMetrics::default();
+        for client_id in [Some("web.demo.serviceaccount.identity"), Some(""), None] {
+            let client_id: Option<Arc<str>> = client_id.map(Arc::from);
+            let series = Arc::new(kept.series("inbound", "web:80".into(), client_id.clone()));
+            for (status, grpc) in [(200, None), (200, None), (503, None), (200, Some("2"))] {
+                for tls in [true, false] {
+                    let hop = Hop {
+                        tls,
+                        client_id: client_id.clone(),
+                        ..Hop::default()
+                    };
+                    let rsp = || {
+                        let mut rsp = http::Response::new(crate::http::full("ok").into());
+                        *rsp.status_mut() = http::StatusCode::from_u16(status).unwrap();
+                        if let Some(code) = grpc {
+                            let h = rsp.headers_mut();
+                            h.insert("content-type", "application/grpc".parse().unwrap());
+                            h.insert("grpc-status", code.parse().unwrap());
+                        }
+                        rsp
+                    };
+                    let latency = std::time::Duration::from_millis(1);
+                    kept.record_series(rsp(), series.clone(), latency, &hop, None)
+                        .into_body()
+                        .collect()
+                        .await
+                        .unwrap();
+                    looked_up
+                        .record_response(rsp(), "inbound", "web:80".into(), latency, hop)
+                        .into_body()
+                        .collect()
+                        .await
+                        .unwrap();
+                }
+            }
+        }
+        // The same lines; a family lists its series in its map's order.
+        let sorted = |text: &str| {
+            let mut lines: Vec<String> = text.lines().map(String::from).collect();
+            lines.sort();
+            lines
+        };
+        let (kept, looked_up) = (text(&kept), text(&looked_up));
+        assert_eq!(sorted(&kept), sorted(&looked_up));
+        for class in ["2xx", "5xx", "grpc_error"] {
+            assert!(
+                kept.contains(&format!(r#"status_class="{class}""#)),
+                "{kept}"
+            );
+        }
     }
 
     #[tokio::test]

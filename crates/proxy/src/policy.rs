@@ -1065,6 +1065,16 @@ pub fn select<'r, B>(
     })
 }
 
+impl Rule {
+    /// Whether a filter of the rule or of one of its backends redirects.
+    pub fn may_redirect(&self) -> bool {
+        self.filters
+            .iter()
+            .chain(self.backends.list.iter().flat_map(|b| &b.filters))
+            .any(|f| matches!(f, Filter::Redirect(_)))
+    }
+}
+
 // === filters ===
 
 impl HeaderModifier {
@@ -1160,6 +1170,10 @@ impl Backends {
                 .iter()
                 .find(|b| has_endpoints(&b.authority))
                 .or(self.list.first());
+        }
+        if let [only] = &self.list[..] {
+            // No draw needed (nor the thread's random generator).
+            return (only.weight > 0).then_some(only);
         }
         let total: u64 = self.list.iter().map(|b| u64::from(b.weight)).sum();
         if total == 0 {

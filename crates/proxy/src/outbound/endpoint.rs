@@ -19,7 +19,7 @@ use crate::errors::ProxyError;
 use crate::http::Proto;
 use crate::http::{
     rewrite_for_hop, strip_hop_by_hop, strip_hop_by_hop_response, strip_mesh_asserted, Body,
-    OrigProto, ReplyBody, ORIG_PROTO, PROXY_ERROR,
+    OrigProto, ReplyBody, ORIG_PROTO_HEADER, PROXY_ERROR_HEADER,
 };
 use crate::metrics::Hop;
 
@@ -123,7 +123,7 @@ impl Outbound {
                 Ok(rsp) => {
                     let peer_failed = ep.endpoint.meshed
                         && matches!(rsp.status().as_u16(), 502 | 503)
-                        && rsp.headers().contains_key(PROXY_ERROR);
+                        && rsp.headers().contains_key(PROXY_ERROR_HEADER);
                     if peer_failed {
                         // Its proxy answered that it could not serve: a
                         // failure, and not a latency sample (a fast error
@@ -136,10 +136,10 @@ impl Outbound {
                     strip_hop_by_hop_response(parts.status, &mut parts.headers);
                     // linkerd2-proxy's inbound marks its answer to a marked
                     // request; the marker is for this hop only.
-                    parts.headers.remove(ORIG_PROTO);
+                    parts.headers.remove(ORIG_PROTO_HEADER);
                     if !ep.endpoint.meshed {
                         // Only a peer proxy may say that it, not the app, failed.
-                        parts.headers.remove(PROXY_ERROR);
+                        parts.headers.remove(PROXY_ERROR_HEADER);
                     }
                     Ok((Response::from_parts(parts, ReplyBody::Upstream(body)), hop))
                 }
@@ -193,7 +193,7 @@ impl Outbound {
         }
         let (mut parts, body) = rsp.into_parts();
         strip_hop_by_hop_response(parts.status, &mut parts.headers);
-        parts.headers.remove(PROXY_ERROR);
+        parts.headers.remove(PROXY_ERROR_HEADER);
         Ok((Response::from_parts(parts, ReplyBody::Upstream(body)), tls))
     }
 }

@@ -106,6 +106,11 @@ impl Outbound {
     }
 
     fn service(&self, authority: &str) -> Arc<Service> {
+        self.service_at(authority, std::time::Instant::now())
+    }
+
+    /// [`Self::service`], used at `now` (a request's start: no clock read).
+    fn service_at(&self, authority: &str, now: std::time::Instant) -> Arc<Service> {
         let make = || {
             Service::new(
                 authority,
@@ -118,7 +123,7 @@ impl Outbound {
             )
         };
         self.services
-            .get(authority, &self.metrics, make)
+            .get(authority, now, &self.metrics, make)
             .unwrap_or_else(|e| Arc::new(Service::refused(authority, self.connector.clone(), e)))
     }
 

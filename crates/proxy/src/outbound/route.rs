@@ -248,7 +248,7 @@ impl Outbound {
             let failed_before_app = match &attempt {
                 Ok((rsp, _)) => {
                     matches!(rsp.status().as_u16(), 502 | 503)
-                        && rsp.headers().contains_key(crate::http::PROXY_ERROR)
+                        && rsp.headers().contains_key(crate::http::PROXY_ERROR_HEADER)
                 }
                 Err(ProxyError::Connect { .. } | ProxyError::Upstream { .. }) => true,
                 Err(_) => false,

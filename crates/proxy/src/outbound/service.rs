@@ -4,7 +4,7 @@
 //! proxy follows, bounded in number.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tether_admin::Shutdown;
@@ -13,7 +13,7 @@ use tokio::sync::{watch, Semaphore};
 use crate::balance::{Balancer, Endpoints};
 use crate::discovery::{Discovery, PolicyState, Stall, StreamError};
 use crate::errors::ProxyError;
-use crate::metrics::{AuthorityLabels, ProxyMetrics, ReasonLabels};
+use crate::metrics::{AuthorityLabels, ProxyMetrics, ReasonLabels, Series};
 use crate::tls::Connector;
 
 /// Services unused this long are forgotten (and their discovery stream ended).
@@ -43,6 +43,8 @@ pub struct Service {
     policy: watch::Receiver<PolicyState>,
     /// Route names used as metric labels, removed with the service.
     route_labels: Mutex<HashSet<Arc<str>>>,
+    /// The metric series of its requests without a route.
+    series: OnceLock<Arc<Series>>,
 }
 
 impl Drop for Service {
@@ -96,6 +98,7 @@ impl Service {
             refused: None,
             policy: policy_rx,
             route_labels: Mutex::default(),
+            series: OnceLock::new(),
         }
     }
 
@@ -116,6 +119,7 @@ impl Service {
             refused: Some(error),
             policy: watch::channel(PolicyState::Settled(None)).1,
             route_labels: Mutex::default(),
+            series: OnceLock::new(),
         }
     }
 
@@ -184,6 +188,14 @@ impl Service {
                 _ = tokio::time::sleep_until(deadline) => return Ok(None),
             }
         }
+    }
+
+    /// The metric series of the service's requests that took no named
+    /// route (never removed while the proxy runs, so they may be kept).
+    pub fn series(&self, metrics: &ProxyMetrics) -> Arc<Series> {
+        self.series
+            .get_or_init(|| Arc::new(metrics.series("outbound", self.authority.clone(), None)))
+            .clone()
     }
 
     /// The metric label for route `name` (bounded per service).
@@ -304,12 +316,13 @@ impl ServiceCache {
     pub fn get(
         &self,
         authority: &str,
+        now: Instant,
         metrics: &ProxyMetrics,
         make: impl FnOnce() -> Service,
     ) -> Result<Arc<Service>, ProxyError> {
         let mut services = self.services.lock().unwrap();
         if let Some(svc) = services.get(authority) {
-            *svc.last_used.lock().unwrap() = Instant::now();
+            *svc.last_used.lock().unwrap() = now;
             return Ok(svc.clone());
         }
         if services.len() >= self.limit {
