@@ -115,7 +115,7 @@ where
     tokio::spawn(async move {
         match driver.await {
             Ok(()) => tracing::debug!(%addr, "HTTP/2 connection ended"),
-            Err(e) => tracing::debug!(error = %e, %addr, "HTTP/2 connection ended"),
+            Err(e) => tracing::debug!(error = %bounded(&e), %addr, "HTTP/2 connection ended"),
         }
     });
     Ok(H2 {
@@ -340,7 +340,7 @@ impl Sender {
             if e.is_go_away() {
                 shared.closed.store(true, Ordering::Release);
             }
-            e.into()
+            bounded(&e).into()
         })?;
         if let Some(cancel) = cancel {
             cancel.disarm();
@@ -358,7 +358,14 @@ impl Sender {
 /// A connection that fails to open a stream takes no more.
 fn closing(shared: &Shared, e: h2::Error) -> BodyError {
     shared.closed.store(true, Ordering::Release);
-    e.into()
+    bounded(&e).into()
+}
+
+/// An h2 error's message, bounded: h2 shows a GOAWAY's debug data whole
+/// (the peer's bytes, up to a frame, escaped: 64 KiB), and the message
+/// goes to the client (`tether-proxy-error`, `grpc-message`) and the logs.
+fn bounded(e: &h2::Error) -> String {
+    tether_core::truncate::bounded_message(e)
 }
 
 /// Connection-specific headers, which h2 refuses to send (hyper removed
@@ -526,14 +533,14 @@ impl hyper::body::Body for H2Body {
                     }
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
-                Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+                Some(Err(e)) => return Poll::Ready(Some(Err(bounded(&e).into()))),
                 None => this.data_done = true,
             }
         }
         match ready!(this.recv.poll_trailers(cx)) {
             Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
             Ok(None) => Poll::Ready(None),
-            Err(e) => Poll::Ready(Some(Err(e.into()))),
+            Err(e) => Poll::Ready(Some(Err(bounded(&e).into()))),
         }
     }
 
@@ -546,5 +553,68 @@ impl hyper::body::Body for H2Body {
             Some(remaining) => SizeHint::with_exact(remaining),
             None => SizeHint::default(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn frame(kind: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
+        let mut frame = len[1..].to_vec();
+        frame.extend([kind, 0]);
+        frame.extend(stream.to_be_bytes());
+        frame.extend(payload);
+        frame
+    }
+
+    /// A peer, in raw HTTP/2 frames, that answers the first request's
+    /// HEADERS with `answer` and then only reads.
+    async fn raw_peer(answer: Vec<u8>) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut io, _) = listener.accept().await.unwrap();
+            let mut preface = [0; 24];
+            io.read_exact(&mut preface).await.unwrap();
+            io.write_all(&frame(0x4, 0, &[])).await.unwrap();
+            loop {
+                let mut head = [0; 9];
+                io.read_exact(&mut head).await.unwrap();
+                let len = u32::from_be_bytes([0, head[0], head[1], head[2]]);
+                let mut payload = vec![0; len as usize];
+                io.read_exact(&mut payload).await.unwrap();
+                if head[3] == 0x1 {
+                    break;
+                }
+            }
+            io.write_all(&answer).await.unwrap();
+            let _ = io.read_to_end(&mut Vec::new()).await;
+        });
+        addr
+    }
+
+    /// A GOAWAY's debug data is the peer's text, as long as a frame: the
+    /// error that fails the request (shown to the client, logged) keeps a
+    /// bounded prefix of it.
+    #[tokio::test]
+    async fn a_peers_goaway_text_is_not_echoed_whole() {
+        let mut goaway = 0u32.to_be_bytes().to_vec();
+        goaway.extend(u32::from(h2::Reason::PROTOCOL_ERROR).to_be_bytes());
+        goaway.extend([0x01; 16_000]);
+        let addr = raw_peer(frame(0x7, 0, &goaway)).await;
+        let io = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let h2 = handshake(io, addr).await.unwrap();
+        let sent = h2.sender().send(Request::new(crate::http::empty())).await;
+        let error = sent.err().expect("the request fails").to_string();
+        assert!(error.starts_with("connection error received"), "{error}");
+        assert!(
+            error.len() <= 2 * tether_core::truncate::MESSAGE_PREFIX_BYTES,
+            "{} bytes: {}…",
+            error.len(),
+            &error[..80]
+        );
     }
 }
