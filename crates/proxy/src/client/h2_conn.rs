@@ -559,6 +559,7 @@ impl hyper::body::Body for H2Body {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     fn frame(kind: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
@@ -570,30 +571,93 @@ mod tests {
         frame
     }
 
+    /// A frame as the peer read it: type, stream, payload.
+    type Read = (u8, u32, Vec<u8>);
+
     /// A peer, in raw HTTP/2 frames, that answers the first request's
-    /// HEADERS with `answer` and then only reads.
-    async fn raw_peer(answer: Vec<u8>) -> std::net::SocketAddr {
+    /// HEADERS with `answer`, and tells every frame it reads.
+    async fn raw_peer(
+        answer: Vec<u8>,
+    ) -> (
+        std::net::SocketAddr,
+        tokio::sync::mpsc::UnboundedReceiver<Read>,
+    ) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             let (mut io, _) = listener.accept().await.unwrap();
             let mut preface = [0; 24];
             io.read_exact(&mut preface).await.unwrap();
             io.write_all(&frame(0x4, 0, &[])).await.unwrap();
+            let mut answered = false;
             loop {
                 let mut head = [0; 9];
-                io.read_exact(&mut head).await.unwrap();
+                if io.read_exact(&mut head).await.is_err() {
+                    return;
+                }
                 let len = u32::from_be_bytes([0, head[0], head[1], head[2]]);
+                let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]);
                 let mut payload = vec![0; len as usize];
                 io.read_exact(&mut payload).await.unwrap();
-                if head[3] == 0x1 {
-                    break;
+                let _ = tx.send((head[3], stream, payload));
+                if head[3] == 0x1 && !answered {
+                    answered = true;
+                    io.write_all(&answer).await.unwrap();
                 }
             }
-            io.write_all(&answer).await.unwrap();
-            let _ = io.read_to_end(&mut Vec::new()).await;
         });
-        addr
+        (addr, rx)
+    }
+
+    async fn connect(addr: std::net::SocketAddr) -> H2 {
+        let io = tokio::net::TcpStream::connect(addr).await.unwrap();
+        handshake(io, addr).await.unwrap()
+    }
+
+    /// Waits (bounded) for the peer to read a frame of type `kind`.
+    async fn read_by_peer(
+        frames: &mut tokio::sync::mpsc::UnboundedReceiver<Read>,
+        kind: u8,
+    ) -> Read {
+        let wait = async {
+            loop {
+                let read = frames.recv().await.expect("the peer reads on");
+                if read.0 == kind {
+                    return read;
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), wait)
+            .await
+            .expect("the peer reads the frame")
+    }
+
+    /// A request given up before its response (the response timeout, a
+    /// client gone) resets its stream with CANCEL, so the peer stops
+    /// working on it, and is no longer counted in flight (the keep-alive
+    /// would ping for it forever): with a body still streaming (its pipe
+    /// task ends) and without.
+    #[tokio::test]
+    async fn a_request_given_up_resets_its_stream_and_leaves_nothing_in_flight() {
+        let streaming = || {
+            use http_body_util::BodyExt;
+            let never_ends = futures::stream::pending::<Result<Frame<Bytes>, BodyError>>();
+            http_body_util::StreamBody::new(never_ends).boxed()
+        };
+        for body in [crate::http::empty(), streaming()] {
+            let (addr, mut frames) = raw_peer(Vec::new()).await;
+            let h2 = connect(addr).await;
+            let sending = h2.sender().send(Request::new(body));
+            tokio::select! {
+                _ = sending => panic!("the peer never answers"),
+                _ = read_by_peer(&mut frames, 0x1) => {}
+            }
+            assert_eq!(h2.shared.in_flight.load(Ordering::Acquire), 0);
+            let (_, stream, code) = read_by_peer(&mut frames, 0x3).await;
+            assert_eq!(stream, 1);
+            assert_eq!(code, u32::from(h2::Reason::CANCEL).to_be_bytes());
+        }
     }
 
     /// A GOAWAY's debug data is the peer's text, as long as a frame: the
@@ -604,9 +668,8 @@ mod tests {
         let mut goaway = 0u32.to_be_bytes().to_vec();
         goaway.extend(u32::from(h2::Reason::PROTOCOL_ERROR).to_be_bytes());
         goaway.extend([0x01; 16_000]);
-        let addr = raw_peer(frame(0x7, 0, &goaway)).await;
-        let io = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let h2 = handshake(io, addr).await.unwrap();
+        let (addr, _frames) = raw_peer(frame(0x7, 0, &goaway)).await;
+        let h2 = connect(addr).await;
         let sent = h2.sender().send(Request::new(crate::http::empty())).await;
         let error = sent.err().expect("the request fails").to_string();
         assert!(error.starts_with("connection error received"), "{error}");
