@@ -126,10 +126,8 @@ pub struct Inbound {
     /// detection; otherwise only HTTP is.
     opaque: bool,
     authz: Authorizer,
-    /// The metric label of the authority requests named last: an inbound
-    /// sees one authority (its app's service) nearly always, so its label
-    /// is shared rather than copied per request.
-    last_authority: std::sync::Mutex<Arc<str>>,
+    /// The metric labels of the authorities requests name.
+    authorities: AuthorityLabels,
 }
 
 impl Inbound {
@@ -166,7 +164,7 @@ impl Inbound {
             mode,
             opaque: config.opaque,
             authz,
-            last_authority: std::sync::Mutex::new(config.app.to_string().into()),
+            authorities: AuthorityLabels::new(config.app.to_string().into()),
         }
     }
 
@@ -356,13 +354,13 @@ impl Inbound {
         let tapped = self.metrics.tap.request(&req);
         let upgrade = crate::upgrade::take(&mut req);
         let grpc = is_grpc(req.headers());
-        let authority = match request_authority(&req) {
-            Some(named) => self.authority_label(named),
-            None => self.authority_label(&self.app.to_string()),
+        let (authority, label) = match request_authority(&req) {
+            Some(named) => self.authorities.label(named),
+            None => self.authorities.label(&self.app.to_string()),
         };
         if req.method() == http::Method::CONNECT {
             let rsp = error_response(&ProxyError::ConnectUnsupported, grpc).map(ReplyBody::Made);
-            let series = peer_id.series(&self.metrics, authority);
+            let series = peer_id.series(&self.metrics, label);
             return self
                 .metrics
                 .record_series(rsp, series, start.elapsed(), hop, None);
@@ -374,7 +372,7 @@ impl Inbound {
             .authz
             .check_request(&req, &authority, &client_of(hop, peer));
         if let Some(error) = self.refusal(verdict) {
-            let series = peer_id.series(&self.metrics, authority);
+            let series = peer_id.series(&self.metrics, label);
             return self.metrics.record_series(
                 error_response(&error, grpc).map(ReplyBody::Made),
                 series,
@@ -457,18 +455,9 @@ impl Inbound {
         if let Some(upgrade) = upgrade {
             upgrade.splice(&mut rsp);
         }
-        let series = peer_id.series(&self.metrics, authority);
+        let series = peer_id.series(&self.metrics, label);
         self.metrics
             .record_series(rsp, series, start.elapsed(), hop, tapped)
-    }
-
-    /// `authority` as a shared label, the last one's when it is the same.
-    fn authority_label(&self, authority: &str) -> Arc<str> {
-        let mut last = self.last_authority.lock().unwrap();
-        if **last != *authority {
-            *last = authority.into();
-        }
-        last.clone()
     }
 
     /// What a verdict answers: `Some` error when the request is refused
@@ -549,6 +538,64 @@ impl Inbound {
     }
 }
 
+/// Distinct authorities the inbound's metrics are labelled with. The
+/// authority is the client's to choose (any `Host`): past these, requests
+/// are counted under [`OTHER_AUTHORITIES`], or a client could add series
+/// (memory, scrape size) without end. An app is known by a few names.
+const MAX_AUTHORITY_LABELS: usize = 100;
+/// The longest authority kept as a label (a DNS name and a port).
+const MAX_AUTHORITY_LABEL_LEN: usize = 253 + 6;
+/// The label of the authorities past [`MAX_AUTHORITY_LABELS`] or longer
+/// than [`MAX_AUTHORITY_LABEL_LEN`]; no authority is spelled so.
+pub const OTHER_AUTHORITIES: &str = "(other)";
+
+/// The metric labels of the authorities an inbound's requests name,
+/// bounded in number and length.
+struct AuthorityLabels {
+    inner: std::sync::Mutex<Labels>,
+}
+
+struct Labels {
+    /// The authority requests named last: an inbound sees one (its app's
+    /// service) nearly always, so it is shared rather than looked up or
+    /// copied per request.
+    last: Arc<str>,
+    known: std::collections::HashSet<Arc<str>>,
+    other: Arc<str>,
+}
+
+impl AuthorityLabels {
+    fn new(first: Arc<str>) -> Self {
+        Self {
+            inner: std::sync::Mutex::new(Labels {
+                known: [first.clone()].into(),
+                last: first,
+                other: OTHER_AUTHORITIES.into(),
+            }),
+        }
+    }
+
+    /// `authority`, shared, and its metric label: the same, or past the
+    /// bounds [`OTHER_AUTHORITIES`].
+    fn label(&self, authority: &str) -> (Arc<str>, Arc<str>) {
+        let mut labels = self.inner.lock().unwrap();
+        if *labels.last != *authority {
+            match labels.known.get(authority) {
+                Some(known) => labels.last = known.clone(),
+                None if labels.known.len() < MAX_AUTHORITY_LABELS
+                    && authority.len() <= MAX_AUTHORITY_LABEL_LEN =>
+                {
+                    labels.last = authority.into();
+                    let label = labels.last.clone();
+                    labels.known.insert(label);
+                }
+                None => return (authority.into(), labels.other.clone()),
+            }
+        }
+        (labels.last.clone(), labels.last.clone())
+    }
+}
+
 /// What a connection's requests carry of its client: the hop, and its
 /// verified identity as a header value, made once per connection.
 struct PeerId {
@@ -604,5 +651,39 @@ fn client_of(hop: &Hop, peer: SocketAddr) -> Client<'_> {
         identity: hop.client_id.as_deref(),
         tls: hop.tls,
         ip: peer.ip(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client names any authority it likes: the labels (metric series)
+    /// they make are bounded in number and length.
+    #[test]
+    fn a_clients_authorities_make_bounded_labels() {
+        let labels = AuthorityLabels::new("10.0.0.1:8080".into());
+        let mut seen = std::collections::HashSet::new();
+        let mut label = |authority: &str| {
+            let (named, label) = labels.label(authority);
+            // Only the label is bounded: authorization and the app see
+            // the authority as it came.
+            assert_eq!(&*named, authority);
+            seen.insert(label);
+        };
+        for i in 0..3 * MAX_AUTHORITY_LABELS {
+            label(&format!("host-{i}:80"));
+        }
+        label(&"x".repeat(10_000));
+        assert!(
+            seen.len() <= MAX_AUTHORITY_LABELS + 1,
+            "{} labels",
+            seen.len()
+        );
+        assert!(seen.iter().all(|l| l.len() <= MAX_AUTHORITY_LABEL_LEN));
+        assert!(seen.contains(OTHER_AUTHORITIES));
+        // The first ones seen keep their own.
+        assert_eq!(&*labels.label("10.0.0.1:8080").1, "10.0.0.1:8080");
+        assert_eq!(&*labels.label("host-1:80").1, "host-1:80");
     }
 }
