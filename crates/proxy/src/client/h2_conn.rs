@@ -332,7 +332,7 @@ impl Sender {
             .send_request(Request::from_parts(parts, ()), end_of_stream)
             .map_err(|e| closing(&shared, e))?;
         drop(send);
-        let cancel = (!end_of_stream).then(|| pipe(body, stream));
+        let pipe = (!end_of_stream).then(|| pipe(body, stream));
         let rsp = response.await.map_err(|e| {
             if shared.timed_out.load(Ordering::Acquire) {
                 return BodyError::from("HTTP/2 keep-alive: the peer did not answer a PING");
@@ -342,15 +342,13 @@ impl Sender {
             }
             bounded(&e).into()
         })?;
-        if let Some(cancel) = cancel {
-            cancel.disarm();
-        }
         let remaining = content_length(rsp.headers());
         Ok(rsp.map(|recv| H2Body {
             recv,
             remaining,
             data_done: false,
             _in_flight: in_flight,
+            _pipe: pipe,
         }))
     }
 }
@@ -405,7 +403,11 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
 }
 
 /// Resets the stream when the request is given up before its response
-/// came (a timeout, a failover), so the peer stops too.
+/// came (a timeout, a failover), so the peer stops too, or when the
+/// response is over (read, or dropped: its client is gone) while the body
+/// is still being sent: nobody waits for it any more, and a peer that
+/// gives it no window would keep the pipe, the body and a stream forever
+/// (the pipe does not see its client go while it waits for a window).
 struct CancelOnDrop(Option<oneshot::Sender<()>>);
 
 impl Drop for CancelOnDrop {
@@ -413,12 +415,6 @@ impl Drop for CancelOnDrop {
         if let Some(tx) = self.0.take() {
             let _ = tx.send(());
         }
-    }
-}
-
-impl CancelOnDrop {
-    fn disarm(mut self) {
-        self.0 = None;
     }
 }
 
@@ -513,6 +509,8 @@ pub struct H2Body {
     remaining: Option<u64>,
     data_done: bool,
     _in_flight: InFlight,
+    /// The request body's pipe, when it had one.
+    _pipe: Option<CancelOnDrop>,
 }
 
 impl hyper::body::Body for H2Body {
@@ -562,10 +560,10 @@ mod tests {
     use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    fn frame(kind: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
         let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
         let mut frame = len[1..].to_vec();
-        frame.extend([kind, 0]);
+        frame.extend([kind, flags]);
         frame.extend(stream.to_be_bytes());
         frame.extend(payload);
         frame
@@ -589,7 +587,7 @@ mod tests {
             let (mut io, _) = listener.accept().await.unwrap();
             let mut preface = [0; 24];
             io.read_exact(&mut preface).await.unwrap();
-            io.write_all(&frame(0x4, 0, &[])).await.unwrap();
+            io.write_all(&frame(0x4, 0, 0, &[])).await.unwrap();
             let mut answered = false;
             loop {
                 let mut head = [0; 9];
@@ -628,7 +626,7 @@ mod tests {
                 }
             }
         };
-        tokio::time::timeout(Duration::from_secs(30), wait)
+        tokio::time::timeout(Duration::from_secs(10), wait)
             .await
             .expect("the peer reads the frame")
     }
@@ -660,6 +658,33 @@ mod tests {
         }
     }
 
+    /// A request body still being sent when its response is over (read or
+    /// dropped: the client is gone) is given up and its stream reset, even
+    /// while the peer gives it no flow-control window: the pipe does not
+    /// wait for a window forever, holding the body and a stream.
+    #[tokio::test]
+    async fn a_request_body_stuck_on_flow_control_is_reset_when_its_response_goes() {
+        // Response headers (`:status: 200`, HPACK's static entry 8), and
+        // never a WINDOW_UPDATE.
+        let (addr, mut frames) = raw_peer(frame(0x1, 0x4, 1, &[0x88])).await;
+        let h2 = connect(addr).await;
+        // More than the default window, then a body that never ends.
+        let first = Ok(Frame::data(Bytes::from(vec![0; 100_000])));
+        let chunks =
+            futures::StreamExt::chain(futures::stream::iter([first]), futures::stream::pending());
+        let body = {
+            use http_body_util::BodyExt;
+            http_body_util::StreamBody::new(chunks).boxed()
+        };
+        let rsp = h2.sender().send(Request::new(body)).await.unwrap();
+        assert_eq!(rsp.status(), 200);
+        drop(rsp);
+        let (_, stream, code) = read_by_peer(&mut frames, 0x3).await;
+        assert_eq!(stream, 1);
+        assert_eq!(code, u32::from(h2::Reason::CANCEL).to_be_bytes());
+        assert_eq!(h2.shared.in_flight.load(Ordering::Acquire), 0);
+    }
+
     /// A GOAWAY's debug data is the peer's text, as long as a frame: the
     /// error that fails the request (shown to the client, logged) keeps a
     /// bounded prefix of it.
@@ -668,7 +693,7 @@ mod tests {
         let mut goaway = 0u32.to_be_bytes().to_vec();
         goaway.extend(u32::from(h2::Reason::PROTOCOL_ERROR).to_be_bytes());
         goaway.extend([0x01; 16_000]);
-        let (addr, _frames) = raw_peer(frame(0x7, 0, &goaway)).await;
+        let (addr, _frames) = raw_peer(frame(0x7, 0, 0, &goaway)).await;
         let h2 = connect(addr).await;
         let sent = h2.sender().send(Request::new(crate::http::empty())).await;
         let error = sent.err().expect("the request fails").to_string();
