@@ -685,6 +685,25 @@ mod tests {
         assert_eq!(h2.shared.in_flight.load(Ordering::Acquire), 0);
     }
 
+    /// A connection nothing refers to any more (the endpoint's client
+    /// forgot it, its requests are done) is closed: its task does not
+    /// stay behind, holding the socket.
+    #[tokio::test]
+    async fn a_connection_is_closed_once_its_handles_and_requests_are_gone() {
+        // A whole response: `:status: 200`, END_STREAM and END_HEADERS.
+        let (addr, mut frames) = raw_peer(frame(0x1, 0x5, 1, &[0x88])).await;
+        let h2 = connect(addr).await;
+        let rsp = h2.sender().send(Request::new(crate::http::empty())).await;
+        drop(rsp.ok().expect("answered"));
+        // Its endpoint's client still has it: it stays open.
+        tokio::task::yield_now().await;
+        while let Ok((kind, _, _)) = frames.try_recv() {
+            assert_ne!(kind, 0x7, "closed while it may still be used");
+        }
+        drop(h2);
+        read_by_peer(&mut frames, 0x7).await;
+    }
+
     /// A GOAWAY's debug data is the peer's text, as long as a frame: the
     /// error that fails the request (shown to the client, logged) keeps a
     /// bounded prefix of it.
