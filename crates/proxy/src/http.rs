@@ -381,6 +381,28 @@ pub fn status_class(status: StatusCode) -> &'static str {
     }
 }
 
+/// The authority requests are rewritten for, parsed once: as a URI's
+/// authority (HTTP/2, absolute form) and as a `Host` value (HTTP/1).
+/// Cloning either shares its bytes; parsing the text copied them into a
+/// new allocation per request.
+#[derive(Clone, Debug)]
+pub struct HopAuthority {
+    /// `None`: not a valid URI authority (the request's URI stays as it
+    /// came).
+    uri: Option<http::uri::Authority>,
+    /// `None`: not a valid header value (no `Host` is set).
+    host: Option<HeaderValue>,
+}
+
+impl HopAuthority {
+    pub fn new(authority: &str) -> Self {
+        Self {
+            uri: http::uri::Authority::try_from(authority).ok(),
+            host: HeaderValue::from_str(authority).ok(),
+        }
+    }
+}
+
 /// Rewrites a request for the next hop. HTTP/2 carries the authority in the
 /// URI; HTTP/1 in origin form (absolute form when `orig` says the request
 /// came so) with a Host header. An HTTP/1 request carried to a peer proxy
@@ -388,7 +410,7 @@ pub fn status_class(status: StatusCode) -> &'static str {
 pub fn rewrite_for_hop(
     mut parts: http::request::Parts,
     body: Body,
-    authority: &str,
+    authority: &HopAuthority,
     hop: Proto,
     orig: Option<OrigProto>,
 ) -> http::Request<Body> {
@@ -407,10 +429,10 @@ pub fn rewrite_for_hop(
     };
     parts.uri = if !absolute {
         http::Uri::from(pq)
-    } else if let Ok(authority) = http::uri::Authority::try_from(authority) {
+    } else if let Some(authority) = &authority.uri {
         let mut uri = http::uri::Parts::default();
         uri.scheme = Some(http::uri::Scheme::HTTP);
-        uri.authority = Some(authority);
+        uri.authority = Some(authority.clone());
         uri.path_and_query = Some(pq);
         http::Uri::from_parts(uri).unwrap_or_default()
     } else {
@@ -426,8 +448,8 @@ pub fn rewrite_for_hop(
             parts.version = http::Version::HTTP_2;
         }
         Proto::Http1 => {
-            if let Ok(v) = HeaderValue::from_str(authority) {
-                parts.headers.insert(header::HOST, v);
+            if let Some(v) = &authority.host {
+                parts.headers.insert(header::HOST, v.clone());
             }
             parts.version = match orig {
                 Some(o) => o.version,
@@ -553,14 +575,15 @@ mod tests {
             .unwrap();
         let (parts, ()) = req.into_parts();
         let orig = OrigProto::of(parts.version, &parts.uri);
-        let h2 = rewrite_for_hop(parts, full(""), "web.demo:80", Proto::Http2, Some(orig));
+        let authority = HopAuthority::new("web.demo:80");
+        let h2 = rewrite_for_hop(parts, full(""), &authority, Proto::Http2, Some(orig));
         assert_eq!(h2.version(), http::Version::HTTP_2);
         assert_eq!(h2.headers()[ORIG_PROTO], "HTTP/1.0; absolute-form");
         assert!(!h2.headers().contains_key(LEGACY_ORIG_PROTO));
         // The peer's inbound restores the first hop's form.
         let (mut parts, _) = h2.into_parts();
         let orig = take_orig_proto(&mut parts.headers);
-        let h1 = rewrite_for_hop(parts, full(""), "web.demo:80", Proto::Http1, orig);
+        let h1 = rewrite_for_hop(parts, full(""), &authority, Proto::Http1, orig);
         assert_eq!(h1.version(), http::Version::HTTP_10);
         assert_eq!(h1.uri(), "http://web.demo:80/x?y");
         assert_eq!(h1.headers()[header::HOST], "web.demo:80");

@@ -34,8 +34,8 @@ use crate::errors::ProxyError;
 use crate::http::Proto;
 use crate::http::{
     error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
-    strip_hop_by_hop_response, strip_mesh_asserted, take_orig_proto, ReplyBody, CLIENT_ID_HEADER,
-    L5D_CLIENT_ID_HEADER, ORIG_PROTO_HEADER, PROXY_ERROR_HEADER,
+    strip_hop_by_hop_response, strip_mesh_asserted, take_orig_proto, HopAuthority, ReplyBody,
+    CLIENT_ID_HEADER, L5D_CLIENT_ID_HEADER, ORIG_PROTO_HEADER, PROXY_ERROR_HEADER,
 };
 use crate::inbound_policy::{Client, Workload};
 use crate::metrics::{CountedBody, Hop, ProxyMetrics, Series};
@@ -360,7 +360,7 @@ impl Inbound {
         };
         if req.method() == http::Method::CONNECT {
             let rsp = error_response(&ProxyError::ConnectUnsupported, grpc).map(ReplyBody::Made);
-            let series = peer_id.series(&self.metrics, label);
+            let (series, _) = peer_id.last(&self.metrics, &authority, label);
             return self
                 .metrics
                 .record_series(rsp, series, start.elapsed(), hop, None);
@@ -372,7 +372,7 @@ impl Inbound {
             .authz
             .check_request(&req, &authority, &client_of(hop, peer));
         if let Some(error) = self.refusal(verdict) {
-            let series = peer_id.series(&self.metrics, label);
+            let (series, _) = peer_id.last(&self.metrics, &authority, label);
             return self.metrics.record_series(
                 error_response(&error, grpc).map(ReplyBody::Made),
                 series,
@@ -399,12 +399,13 @@ impl Inbound {
         } else {
             Proto::Http2
         };
+        let (series, hop_authority) = peer_id.last(&self.metrics, &authority, label);
         let result = match self.client.connection(proto).await {
             Ok(conn) => conn
                 .send(rewrite_for_hop(
                     parts,
                     boxed_unless_empty(body),
-                    &authority,
+                    &hop_authority,
                     proto,
                     orig,
                 ))
@@ -455,7 +456,6 @@ impl Inbound {
         if let Some(upgrade) = upgrade {
             upgrade.splice(&mut rsp);
         }
-        let series = peer_id.series(&self.metrics, label);
         self.metrics
             .record_series(rsp, series, start.elapsed(), hop, tapped)
     }
@@ -601,9 +601,10 @@ impl AuthorityLabels {
 struct PeerId {
     hop: Hop,
     header: Option<HeaderValue>,
-    /// The metric series of the authority its requests named last: a
-    /// connection's requests name the same one nearly always.
-    series: std::sync::Mutex<Option<Arc<Series>>>,
+    /// The metric series its requests were counted in last, the
+    /// authority they named and that authority parsed for the app's hop:
+    /// a connection's requests name the same one nearly always.
+    last: std::sync::Mutex<Option<LastNamed>>,
 }
 
 impl PeerId {
@@ -615,23 +616,41 @@ impl PeerId {
         Self {
             hop,
             header,
-            series: Default::default(),
+            last: Default::default(),
         }
     }
 
-    /// The series of this client's requests to `authority`.
-    fn series(&self, metrics: &ProxyMetrics, authority: Arc<str>) -> Arc<Series> {
-        let mut last = self.series.lock().unwrap();
-        match &*last {
-            Some(series) if series.is_for(&authority) => series.clone(),
-            _ => {
-                let client_id = self.hop.client_id.clone();
-                let series = Arc::new(metrics.series("inbound", authority, client_id));
-                *last = Some(series.clone());
-                series
+    /// The series of this client's requests counted under `label`, and
+    /// `authority` (what they named) parsed for the hop to the app.
+    fn last(
+        &self,
+        metrics: &ProxyMetrics,
+        authority: &Arc<str>,
+        label: Arc<str>,
+    ) -> (Arc<Series>, HopAuthority) {
+        let mut last = self.last.lock().unwrap();
+        if let Some(named) = &*last {
+            if named.series.is_for(&label) && *named.authority == **authority {
+                return (named.series.clone(), named.hop.clone());
             }
         }
+        let hop = HopAuthority::new(authority);
+        let client_id = self.hop.client_id.clone();
+        let series = Arc::new(metrics.series("inbound", label, client_id));
+        *last = Some(LastNamed {
+            series: series.clone(),
+            authority: authority.clone(),
+            hop: hop.clone(),
+        });
+        (series, hop)
     }
+}
+
+/// What [`PeerId`] keeps of the authority its requests named last.
+struct LastNamed {
+    series: Arc<Series>,
+    authority: Arc<str>,
+    hop: HopAuthority,
 }
 
 /// A request body to send on: one that has ended already (most requests
@@ -685,5 +704,25 @@ mod tests {
         // The first ones seen keep their own.
         assert_eq!(&*labels.label("10.0.0.1:8080").1, "10.0.0.1:8080");
         assert_eq!(&*labels.label("host-1:80").1, "host-1:80");
+    }
+
+    /// Requests counted under one label (past the bound) still reach the
+    /// app with the authority each named, not the last one's.
+    #[test]
+    fn the_app_gets_the_authority_named_whatever_its_label() {
+        let peer = PeerId::new(Hop::default());
+        let metrics = ProxyMetrics::default();
+        let other: Arc<str> = OTHER_AUTHORITIES.into();
+        for named in [
+            "a.example:80",
+            "b.example:80",
+            "b.example:80",
+            "a.example:80",
+        ] {
+            let (_, hop) = peer.last(&metrics, &named.into(), other.clone());
+            let (parts, ()) = http::Request::new(()).into_parts();
+            let req = rewrite_for_hop(parts, crate::http::empty(), &hop, Proto::Http1, None);
+            assert_eq!(req.headers()[http::header::HOST], named);
+        }
     }
 }

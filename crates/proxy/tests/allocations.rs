@@ -153,3 +153,39 @@ async fn counting_a_response_allocates_nothing_once_its_series_exists() {
         "{text}"
     );
 }
+
+#[test]
+fn rewriting_a_request_for_its_hop_allocates_nothing_once_its_authority_is_parsed() {
+    use tether_proxy::http::{rewrite_for_hop, HopAuthority, Proto};
+    let authority = HopAuthority::new("web.demo.svc.cluster.local:80");
+    let request = || {
+        let mut headers = HeaderMap::with_capacity(8);
+        headers.insert(http::header::HOST, HeaderValue::from_static("web"));
+        let mut req = http::Request::get("/items?page=2")
+            .body(tether_proxy::http::empty())
+            .unwrap();
+        *req.headers_mut() = headers;
+        req.into_parts()
+    };
+    for hop in [Proto::Http2, Proto::Http1] {
+        // The first rewrite shares the parsed bytes (one allocation, once).
+        let (parts, body) = request();
+        drop(rewrite_for_hop(parts, body, &authority, hop, None));
+        let (parts, body) = request();
+        let (n, req) = allocations(|| rewrite_for_hop(parts, body, &authority, hop, None));
+        assert_eq!(n, 0, "rewriting for {hop:?} allocated");
+        match hop {
+            Proto::Http2 => assert_eq!(
+                req.uri(),
+                "http://web.demo.svc.cluster.local:80/items?page=2"
+            ),
+            Proto::Http1 => {
+                assert_eq!(req.uri(), "/items?page=2");
+                assert_eq!(
+                    req.headers()[http::header::HOST],
+                    "web.demo.svc.cluster.local:80"
+                );
+            }
+        }
+    }
+}

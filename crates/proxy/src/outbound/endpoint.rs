@@ -16,11 +16,11 @@ use super::{Outbound, CONNECT_ATTEMPTS};
 use crate::balance::{pick, EndpointHandle, Endpoints};
 use crate::client::EndpointClient;
 use crate::errors::ProxyError;
-use crate::http::Proto;
 use crate::http::{
     rewrite_for_hop, strip_hop_by_hop, strip_hop_by_hop_response, strip_mesh_asserted, Body,
     OrigProto, ReplyBody, ORIG_PROTO_HEADER, PROXY_ERROR_HEADER,
 };
+use crate::http::{HopAuthority, Proto};
 use crate::metrics::Hop;
 
 /// What the attempts of one request share: the service, the endpoints on
@@ -28,9 +28,11 @@ use crate::metrics::Hop;
 pub(super) struct Attempts<'a> {
     pub svc: &'a Service,
     pub endpoints: Endpoints,
-    pub tried: Vec<SocketAddr>,
-    /// The logical authority (an endpoint may override it for its hop).
-    pub authority: &'a str,
+    /// Held inline: a request tries one endpoint nearly always.
+    pub tried: smallvec::SmallVec<[SocketAddr; 4]>,
+    /// The logical authority (an endpoint may override it for its hop),
+    /// parsed.
+    pub authority: &'a HopAuthority,
     /// The request's HTTP version at its origin.
     pub version: Version,
     /// Whether the request may be sent again (its body is kept), so an
@@ -97,11 +99,14 @@ impl Outbound {
             let (parts, body) = request.take().expect("request is sent once");
             let orig = (proto == Proto::Http2 && version != Version::HTTP_2)
                 .then(|| OrigProto::of(version, &parts.uri));
-            let hop_authority = ep
-                .endpoint
-                .authority_override
-                .as_deref()
-                .unwrap_or(authority);
+            let overridden;
+            let hop_authority = match ep.endpoint.authority_override.as_deref() {
+                Some(other) => {
+                    overridden = HopAuthority::new(other);
+                    &overridden
+                }
+                None => authority,
+            };
             let req = rewrite_for_hop(parts, body, hop_authority, proto, orig);
             let sent = Instant::now();
             let answer = if retryable {
@@ -180,7 +185,7 @@ impl Outbound {
             .await
             .map_err(|reason| ProxyError::Connect { addr, reason })?;
         let tls = conn.tls;
-        let req = rewrite_for_hop(parts, body, authority, proto, orig);
+        let req = rewrite_for_hop(parts, body, &HopAuthority::new(authority), proto, orig);
         let rsp = conn.send(req).await.map_err(|e| ProxyError::Upstream {
             addr,
             reason: e.to_string(),

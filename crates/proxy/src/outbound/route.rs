@@ -223,22 +223,36 @@ impl Outbound {
         budget.deposit();
         let (kept, mut body) = keep_if_retryable(&parts, body, route_retry).await?;
         let max_retries = route_retry.map_or(MAX_RETRIES, |r| r.max_retries as usize);
+        // The service's own parse when the request names it (the backend
+        // of a route may be another service).
+        let named;
+        let hop_authority = if *svc.authority == *authority {
+            &svc.hop_authority
+        } else {
+            named = crate::http::HopAuthority::new(authority);
+            &named
+        };
         let mut ctx = Attempts {
             svc: &svc,
             endpoints,
-            tried: Vec::new(),
-            authority,
+            tried: Default::default(),
+            authority: hop_authority,
             version,
             retryable: kept.is_some(),
         };
         let mut retries = 0;
+        let mut parts = Some(parts);
         loop {
-            let attempt_body = match (&kept, body.take()) {
-                (Some(bytes), _) => crate::http::full(bytes.clone()),
-                (None, Some(b)) => b,
-                (None, None) => unreachable!("a request that cannot be retried is sent once"),
+            // A request sent once is sent as it is; only one that may be
+            // sent again keeps its head for that.
+            let (attempt_parts, attempt_body) = match (&kept, body.take(), &mut parts) {
+                (Some(bytes), _, Some(parts)) => {
+                    (clone_parts(parts), crate::http::full(bytes.clone()))
+                }
+                (None, Some(b), parts @ Some(_)) => (parts.take().expect("matched as Some"), b),
+                _ => unreachable!("a request that cannot be retried is sent once"),
             };
-            let attempt = Box::pin(self.attempt(&mut ctx, clone_parts(&parts), attempt_body));
+            let attempt = Box::pin(self.attempt(&mut ctx, attempt_parts, attempt_body));
             let attempt = match route_retry.and_then(|r| r.timeout) {
                 Some(limit) => tokio::time::timeout(limit, attempt)
                     .await

@@ -45,6 +45,8 @@ pub struct Service {
     route_labels: Mutex<HashSet<Arc<str>>>,
     /// The metric series of its requests without a route.
     series: OnceLock<Arc<Series>>,
+    /// Its authority, parsed once for every request's next hop.
+    pub hop_authority: crate::http::HopAuthority,
 }
 
 impl Drop for Service {
@@ -99,6 +101,7 @@ impl Service {
             policy: policy_rx,
             route_labels: Mutex::default(),
             series: OnceLock::new(),
+            hop_authority: crate::http::HopAuthority::new(authority),
         }
     }
 
@@ -120,6 +123,7 @@ impl Service {
             policy: watch::channel(PolicyState::Settled(None)).1,
             route_labels: Mutex::default(),
             series: OnceLock::new(),
+            hop_authority: crate::http::HopAuthority::new(authority),
         }
     }
 
@@ -233,6 +237,12 @@ impl Service {
     pub async fn ready_endpoints(&self, wait: Duration) -> Result<Endpoints, ProxyError> {
         if let Some(e) = &self.refused {
             return Err(e.clone());
+        }
+        // The usual case, before any clock, receiver or resolution is
+        // copied for a wait.
+        let endpoints = self.balancer.endpoints();
+        if !endpoints.is_empty() {
+            return Ok(endpoints);
         }
         let deadline = tokio::time::Instant::now() + wait;
         let mut rx = self.balancer.watch();
