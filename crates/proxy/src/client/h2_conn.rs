@@ -323,6 +323,16 @@ impl Sender {
                     .or_insert_with(|| HeaderValue::from(len));
             }
         }
+        // h2 refuses it with an error that reads as the connection's (and
+        // would close it): an HTTP/2 request names a scheme or authority.
+        // The inbound keeps the URI a client sent when the Host it named
+        // is no valid authority.
+        if parts.version == http::Version::HTTP_2
+            && parts.uri.scheme().is_none()
+            && parts.uri.authority().is_none()
+        {
+            return Err("an HTTP/2 request needs a valid authority".into());
+        }
         let end_of_stream = body.is_end_stream();
         // Counted before the connection's task hears of the stream, so the
         // keep-alive sees it in flight.
@@ -703,6 +713,23 @@ mod tests {
         }
         drop(h2);
         read_by_peer(&mut frames, 0x7).await;
+    }
+
+    /// A request h2 refuses for what it is (an HTTP/2 request whose URI
+    /// names neither scheme nor authority: the inbound keeps a client's
+    /// URI when the Host it named is not a valid authority) fails alone:
+    /// the connection stays, or any client could make the proxy reconnect
+    /// to the endpoint per request.
+    #[tokio::test]
+    async fn a_request_h2_refuses_does_not_close_its_connection() {
+        let (addr, _frames) = raw_peer(frame(0x1, 0x5, 1, &[0x88])).await;
+        let h2 = connect(addr).await;
+        let mut unnamed = Request::new(crate::http::empty());
+        *unnamed.version_mut() = http::Version::HTTP_2;
+        assert!(h2.sender().send(unnamed).await.is_err());
+        assert!(!h2.is_closed());
+        let rsp = h2.sender().send(Request::new(crate::http::empty())).await;
+        assert_eq!(rsp.ok().map(|r| r.status()), Some(http::StatusCode::OK));
     }
 
     /// A GOAWAY's debug data is the peer's text, as long as a frame: the
