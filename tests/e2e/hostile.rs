@@ -654,3 +654,50 @@ async fn the_response_timeout_starts_when_the_request_has_been_sent() {
     let answer = String::from_utf8_lossy(&answer[..n]);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
+
+/// The response timeout runs from when a request could be sent: a
+/// request to a service whose policy the control plane is slow to give
+/// waits for it under the fail-fast timeout, not the response timeout
+/// (which once started at the request's arrival and fired the moment the
+/// policy came).
+#[tokio::test]
+async fn the_wait_for_a_new_services_policy_is_not_counted_in_the_response_timeout() {
+    const RESPONSE_TIMEOUT_S: u64 = 3;
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    let app = scratch.demo_app("web-0", 0).await;
+    scratch.endpoint("web-0", "web", app.addr("http"), false);
+    // The proxy's way to the control plane: connections wait in the
+    // listener's backlog, unanswered, until the request below has waited
+    // twice the response timeout; then each is relayed.
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let relay_addr = relay.local_addr().unwrap();
+    let (opened_tx, opened_rx) = tokio::sync::oneshot::channel::<()>();
+    let upstream = control.addr("grpc");
+    tokio::spawn(async move {
+        let _ = opened_rx.await;
+        while let Ok((mut proxy_side, _)) = relay.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut control_side) = tokio::net::TcpStream::connect(upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut proxy_side, &mut control_side).await;
+                }
+            });
+        }
+    });
+    let timeout = RESPONSE_TIMEOUT_S.to_string();
+    let client = scratch
+        .proxy(
+            "client",
+            relay_addr,
+            None,
+            &["--response-timeout", &timeout, "--failfast-timeout", "120"],
+        )
+        .await;
+    let outbound = client.addr("outbound");
+    let asked = tokio::spawn(async move { get(outbound, &authority("web", 8080)).await });
+    tokio::time::sleep(Duration::from_secs(2 * RESPONSE_TIMEOUT_S)).await;
+    opened_tx.send(()).unwrap();
+    let a = asked.await.unwrap();
+    assert_eq!(a.status, 200, "{:?}: {}", a.proxy_error(), a.body);
+}

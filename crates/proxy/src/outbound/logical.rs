@@ -77,7 +77,7 @@ impl Outbound {
         let (label, result) = match svc {
             Ok(svc) => {
                 let authority = &*svc.authority;
-                let (req, sent) = notify_when_sent(req, start);
+                let (req, mut sent) = notify_when_sent(req, start);
                 // The steps are boxed: a state machine nested inline is
                 // copied whole each time the request's future moves (hyper
                 // moves it into its dispatcher or a stream's task), and the
@@ -85,7 +85,14 @@ impl Outbound {
                 // A policy already in force needs no wait (nor a box for it).
                 let policy = match svc.settled_policy() {
                     Some(policy) => Ok(policy),
-                    None => Box::pin(svc.policy(self.failfast_timeout)).await,
+                    None => {
+                        let policy = Box::pin(svc.policy(self.failfast_timeout)).await;
+                        // The response timeout runs from when the request
+                        // could be sent, not through the wait for a new
+                        // service's policy (bounded by the fail-fast timeout).
+                        sent.restart();
+                        policy
+                    }
                 };
                 let routes = match &policy {
                     Ok(p) => Ok(p.as_deref().and_then(|p| p.routes(route_version(&req)))),
@@ -243,6 +250,15 @@ pub(super) enum Sent {
     Already(Instant),
     /// Told (or dropped) when its end has been read.
     When(oneshot::Receiver<()>),
+}
+
+impl Sent {
+    /// A request already sent counts as sent from now.
+    fn restart(&mut self) {
+        if let Sent::Already(at) = self {
+            *at = Instant::now();
+        }
+    }
 }
 
 /// The HTTP version whose routes apply: a request carried over HTTP/2 from
