@@ -230,12 +230,25 @@ pub fn empty() -> Body {
 /// needs on every hop (`Connection: upgrade`, `Upgrade`; see
 /// [`crate::upgrade`]).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    strip(headers, true);
+}
+
+/// [`strip_hop_by_hop`] for a request that goes out over HTTP/2, which
+/// carries no upgrade: the upgrade pair goes too (h2 refuses to send any
+/// connection-specific header).
+pub fn strip_hop_by_hop_http2(headers: &mut HeaderMap) {
+    strip(headers, false);
+}
+
+/// The hop-by-hop headers removed, the upgrade pair put back when
+/// `keep_upgrade` and the message asks for one.
+fn strip(headers: &mut HeaderMap, keep_upgrade: bool) {
     // One pass over the names decides: most messages carry none of these
     // (HTTP/2 never does), and then nothing is looked up or removed.
     if !headers.keys().any(is_hop_by_hop) {
         return;
     }
-    let upgrade = crate::upgrade::wants_upgrade(headers)
+    let upgrade = (keep_upgrade && crate::upgrade::wants_upgrade(headers))
         .then(|| headers.get(header::UPGRADE).cloned())
         .flatten();
     // The headers `Connection` names go by their names as text (a name
@@ -311,14 +324,7 @@ fn remove_named(headers: &mut HeaderMap, connection: &HeaderValue) {
 /// `101 Switching Protocols` (elsewhere it would be one more header an
 /// HTTP/2 client's connection must drop).
 pub fn strip_hop_by_hop_response(status: StatusCode, headers: &mut HeaderMap) {
-    if !headers.keys().any(is_hop_by_hop) {
-        return;
-    }
-    strip_hop_by_hop(headers);
-    if status != StatusCode::SWITCHING_PROTOCOLS {
-        headers.remove(header::CONNECTION);
-        headers.remove(header::UPGRADE);
-    }
+    strip(headers, status == StatusCode::SWITCHING_PROTOCOLS);
 }
 
 pub fn is_grpc(headers: &HeaderMap) -> bool {
@@ -507,6 +513,16 @@ mod tests {
         assert!(
             !response.contains_key(header::UPGRADE) && !response.contains_key(header::CONNECTION)
         );
+        // Over HTTP/2 the pair goes too, with what `Connection` names.
+        let mut over_h2 = h.clone();
+        over_h2.insert("x-private", HeaderValue::from_static("1"));
+        over_h2.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("upgrade, x-private"),
+        );
+        strip_hop_by_hop_http2(&mut over_h2);
+        assert_eq!(over_h2.len(), 2, "{over_h2:?}");
+        assert!(over_h2.contains_key("x-kept") && over_h2.contains_key(header::TE));
         h.insert(header::UPGRADE, HeaderValue::from_static("h2c"));
         strip_hop_by_hop(&mut h);
         assert!(!h.contains_key(header::UPGRADE) && !h.contains_key(header::CONNECTION));

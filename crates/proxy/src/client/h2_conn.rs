@@ -314,7 +314,7 @@ impl Sender {
     pub(super) async fn send(self, req: Request<Body>) -> Result<Response<H2Body>, BodyError> {
         let Sender { send, shared } = self;
         let (mut parts, body) = req.into_parts();
-        strip_connection_specific(&mut parts.headers);
+        crate::http::strip_hop_by_hop_http2(&mut parts.headers);
         if let Some(len) = body.size_hint().exact() {
             if len != 0 || has_payload_semantics(&parts.method) {
                 parts
@@ -374,26 +374,6 @@ fn closing(shared: &Shared, e: h2::Error) -> BodyError {
 /// goes to the client (`tether-proxy-error`, `grpc-message`) and the logs.
 fn bounded(e: &h2::Error) -> String {
     tether_core::truncate::bounded_message(e)
-}
-
-/// Connection-specific headers, which h2 refuses to send (hyper removed
-/// them; the proxy's own stripping leaves an upgrade's pair).
-fn strip_connection_specific(headers: &mut HeaderMap) {
-    if let Some(connection) = headers.remove(header::CONNECTION) {
-        if let Ok(names) = connection.to_str() {
-            for name in names.split(',') {
-                headers.remove(name.trim());
-            }
-        }
-    }
-    for name in [header::TRANSFER_ENCODING, header::UPGRADE] {
-        headers.remove(name);
-    }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
-    if headers.get(header::TE).is_some_and(|te| te != "trailers") {
-        headers.remove(header::TE);
-    }
 }
 
 fn has_payload_semantics(method: &Method) -> bool {
