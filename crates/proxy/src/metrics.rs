@@ -326,24 +326,12 @@ impl ProxyMetrics {
         latency: std::time::Duration,
         hop: Hop,
     ) -> http::Response<CountedBody> {
-        self.record_tapped_response(rsp, direction, authority, latency, hop, None)
+        self.record_routed_response(rsp, direction, authority, None, latency, hop, None)
     }
 
-    /// [`Self::record_response`], also reporting a tapped request.
-    pub fn record_tapped_response(
-        &self,
-        rsp: http::Response<crate::http::ReplyBody>,
-        direction: &'static str,
-        authority: Arc<str>,
-        latency: std::time::Duration,
-        hop: Hop,
-        tapped: Option<crate::tap::TapRequest>,
-    ) -> http::Response<CountedBody> {
-        self.record_routed_response(rsp, direction, authority, None, latency, hop, tapped)
-    }
-
-    /// [`Self::record_tapped_response`] for a request that took `route`
-    /// of its service's outbound policy.
+    /// [`Self::record_response`] for a request that took `route` of its
+    /// service's outbound policy (or none), also reporting a tapped
+    /// request.
     #[allow(clippy::too_many_arguments)]
     pub fn record_routed_response(
         &self,
@@ -409,7 +397,7 @@ impl ProxyMetrics {
         }
     }
 
-    /// [`Self::record_tapped_response`] into series found before: the
+    /// [`Self::record_routed_response`] into series found before: the
     /// same series, without looking them up in the families.
     pub fn record_series(
         &self,
