@@ -91,3 +91,169 @@ async fn sigterm_refuses_new_connections_while_it_finishes_in_flight_requests() 
     let status = stopping.await.unwrap().unwrap();
     assert!(status.success(), "proxy exited with {status:?}");
 }
+
+/// An HTTP/1 app that reads each request's body, then answers with its
+/// name.
+async fn named_app(name: &'static str) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            let svc = hyper::service::service_fn(
+                move |req: http::Request<hyper::body::Incoming>| async move {
+                    use http_body_util::BodyExt;
+                    let read = req.into_body().collect().await.map(|b| b.to_bytes().len());
+                    let rsp = http::Response::builder()
+                        .header("x-replica", name)
+                        .body(http_body_util::Full::new(bytes::Bytes::from(format!(
+                            "{read:?}"
+                        ))))
+                        .unwrap();
+                    Ok::<_, std::convert::Infallible>(rsp)
+                },
+            );
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(conn), svc),
+            );
+        }
+    });
+    addr
+}
+
+/// Answers seen by a load, by the replica that answered or the failure.
+type Seen = Arc<std::sync::Mutex<std::collections::BTreeMap<String, usize>>>;
+
+fn count(seen: &Seen, key: &str) -> usize {
+    seen.lock().unwrap().get(key).copied().unwrap_or(0)
+}
+
+/// POSTs (not idempotent: never retried) without a body, from `workers`
+/// clients, each over its own kept-alive HTTP/1 connection to `outbound`,
+/// until `stop` is set.
+fn post_load(
+    outbound: SocketAddr,
+    authority: String,
+    workers: usize,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    seen: Seen,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..workers)
+        .map(|_| {
+            let (authority, stop, seen) = (authority.clone(), stop.clone(), seen.clone());
+            tokio::spawn(async move {
+                let mut sender = None;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    if sender.is_none() {
+                        let io = tokio::net::TcpStream::connect(outbound).await.unwrap();
+                        let (s, conn) =
+                            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
+                                .await
+                                .unwrap();
+                        tokio::spawn(conn);
+                        sender = Some(s);
+                    }
+                    let s = sender.as_mut().expect("connected above");
+                    let req = http::Request::post("/orders")
+                        .header(http::header::HOST, &authority)
+                        .body(http_body_util::Full::new(bytes::Bytes::new()))
+                        .unwrap();
+                    let key = match s.send_request(req).await {
+                        Ok(rsp) if rsp.status() == 200 => {
+                            rsp.headers()["x-replica"].to_str().unwrap().to_string()
+                        }
+                        Ok(rsp) => format!(
+                            "failed {} {:?}",
+                            rsp.status(),
+                            rsp.headers().get("tether-proxy-error")
+                        ),
+                        Err(e) => {
+                            sender = None;
+                            format!("failed: {e}")
+                        }
+                    };
+                    *seen.lock().unwrap().entry(key).or_default() += 1;
+                }
+            })
+        })
+        .collect()
+}
+
+/// A rolling restart: a peer proxy drained (SIGTERM) under steady load of
+/// requests that cannot be retried, while another replica serves. Requests
+/// that race the peer's GOAWAY (found it closed, or refused above its last
+/// stream id) were never processed by it and go out again; none fails.
+/// (A request whose body was streamed to the peer cannot go out again.)
+#[tokio::test]
+async fn a_peer_draining_under_load_fails_no_request() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    let drain = Duration::from_secs(30);
+    let drain_secs = drain.as_secs().to_string();
+    let mut peers = Vec::new();
+    for name in ["web-0", "web-1"] {
+        let app = named_app(name).await;
+        let peer = scratch
+            .proxy(
+                &format!("{name}-proxy"),
+                control.addr("grpc"),
+                Some(app),
+                &["--drain-timeout", &drain_secs],
+            )
+            .await;
+        scratch.endpoint(name, "web", peer.addr("inbound"), true);
+        peers.push(peer);
+    }
+    let client = scratch
+        .proxy("client", control.addr("grpc"), None, &[])
+        .await;
+    let web = authority("web", 8080);
+    let admin = client.addr("admin");
+    let _ = request(client.addr("outbound"), &web, "/", http::Version::HTTP_11).await;
+    assert!(
+        follows(admin, &web, 2, Duration::from_secs(20)).await,
+        "the client never followed both replicas"
+    );
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = Seen::default();
+    let tasks = post_load(client.addr("outbound"), web, 8, stop.clone(), seen.clone());
+    let bound = Duration::from_secs(60);
+    assert!(
+        eventually(bound, || async {
+            count(&seen, "web-0") >= 50 && count(&seen, "web-1") >= 50
+        })
+        .await,
+        "the load never reached both replicas: {:?}",
+        seen.lock().unwrap()
+    );
+    let status = peers[0].stop(2 * drain).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "web-0's proxy exited with {status:?}"
+    );
+    // Answered by web-1 alone from here on; web-0's endpoint is still
+    // listed (as when the registry learns late), its connections refused.
+    let after = count(&seen, "web-1");
+    assert!(
+        eventually(bound, || async { count(&seen, "web-1") >= after + 200 }).await,
+        "the load stalled after the drain: {:?}",
+        seen.lock().unwrap()
+    );
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    let resent = metric_value(
+        &metrics(admin).await,
+        "tether_proxy_retries_total",
+        &[("outcome", "unprocessed")],
+    );
+    eprintln!("drain under load: {seen:?}, {} sent again", resent as u64);
+    assert!(
+        seen.keys().all(|k| !k.starts_with("failed")),
+        "requests failed while a peer drained: {seen:?}"
+    );
+}

@@ -66,6 +66,46 @@ enum Kind {
     H2(h2_conn::Sender),
 }
 
+/// Why a request sent on a connection failed.
+#[derive(Debug)]
+pub struct SendError {
+    error: BodyError,
+    unprocessed: bool,
+}
+
+impl SendError {
+    /// A failure the peer may have seen the request before.
+    pub(crate) fn failed(error: impl Into<BodyError>) -> Self {
+        Self {
+            error: error.into(),
+            unprocessed: false,
+        }
+    }
+
+    /// The peer never processed the request: it refused the stream
+    /// (REFUSED_STREAM, or a GOAWAY whose last stream id is below it), or
+    /// the connection had closed before the request was written.
+    pub(crate) fn unprocessed(error: impl Into<BodyError>) -> Self {
+        Self {
+            error: error.into(),
+            unprocessed: true,
+        }
+    }
+
+    /// Whether the request may be sent again as it was, whatever its
+    /// method (RFC 9113 §8.7), if it still can be: nothing of it reached
+    /// the app.
+    pub fn is_unprocessed(&self) -> bool {
+        self.unprocessed
+    }
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
 /// A connection ready to carry one request.
 pub struct Connection {
     kind: Kind,
@@ -74,14 +114,22 @@ pub struct Connection {
 }
 
 impl Connection {
-    pub async fn send(self, req: Request<Body>) -> Result<Response<ResponseBody>, BodyError> {
+    pub async fn send(self, req: Request<Body>) -> Result<Response<ResponseBody>, SendError> {
         match self.kind {
             Kind::H2(s) => Ok(s.send(req).await?.map(|body| ResponseBody {
                 inner: Inner::H2(body),
                 release: None,
             })),
             Kind::H1(mut s, pool) => {
-                let rsp = s.send_request(req).await?;
+                let rsp = s.try_send_request(req).await.map_err(|mut e| {
+                    // hyper gives the request back when the connection
+                    // closed before any of it was written.
+                    if e.take_message().is_some() {
+                        SendError::unprocessed(e.into_error())
+                    } else {
+                        SendError::failed(e.into_error())
+                    }
+                })?;
                 // A connection that switched protocols is the tunnel's now.
                 let release =
                     (rsp.status() != http::StatusCode::SWITCHING_PROTOCOLS).then(|| Release {
@@ -247,10 +295,27 @@ impl EndpointClient {
     pub async fn connection(&self, proto: Proto) -> Result<Connection, String> {
         match proto {
             Proto::Http1 => self.h1().await,
-            Proto::Http2 => self.h2().await.map(|(h2, tls)| Connection {
-                kind: Kind::H2(h2.sender()),
-                tls,
-            }),
+            Proto::Http2 => {
+                let (h2, tls) = self.h2().await?;
+                let sender = match h2.sender().await {
+                    Ok(sender) => sender,
+                    // It closed, or the peer sent GOAWAY (a drain), since
+                    // it was picked: marked closed, it gives way to a fresh
+                    // connection, once. Nothing of the request was sent.
+                    Err(_) if h2.is_closed() => {
+                        let (h2, tls) = self.h2().await?;
+                        return h2.sender().await.map(|sender| Connection {
+                            kind: Kind::H2(sender),
+                            tls,
+                        });
+                    }
+                    Err(e) => return Err(e),
+                };
+                Ok(Connection {
+                    kind: Kind::H2(sender),
+                    tls,
+                })
+            }
         }
     }
 
@@ -614,6 +679,94 @@ mod tests {
         assert_eq!(
             &rsp.into_body().collect().await.unwrap().to_bytes()[..],
             b"abc"
+        );
+    }
+
+    /// A peer draining (rolling restart, scale-down) sends GOAWAY: a
+    /// request that finds its connection gone away (the GOAWAY read,
+    /// nothing sent yet) goes out on a fresh one instead of failing.
+    #[tokio::test]
+    async fn a_request_finding_its_connection_gone_away_goes_out_on_a_fresh_one() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(1));
+        let later = accepted.clone();
+        tokio::spawn(async move {
+            // The first connection answers one request, holds a second
+            // (so it stays open), then drains as h2 does: GOAWAY, a PING's
+            // round trip, GOAWAY again.
+            let (stream, _) = listener.accept().await.unwrap();
+            let mut conn = h2::server::handshake(stream).await.unwrap();
+            let (_req, mut respond) = conn.accept().await.unwrap().unwrap();
+            respond
+                .send_response(http::Response::new(()), true)
+                .unwrap();
+            let (_req, held) = conn.accept().await.unwrap().unwrap();
+            conn.graceful_shutdown();
+            tokio::spawn(async move {
+                let _held = held;
+                while conn.accept().await.is_some() {}
+            });
+            serve_h2(listener, later).await;
+        });
+        let client = EndpointClient::new(addr, None, Connector::plain(Duration::from_secs(5)));
+        let conn = client.connection(Proto::Http2).await.unwrap();
+        let rsp = conn.send(http::Request::new(crate::http::empty())).await;
+        assert_eq!(rsp.unwrap().status(), 200);
+        let conn = client.connection(Proto::Http2).await.unwrap();
+        let _held = tokio::spawn(conn.send(http::Request::new(crate::http::empty())));
+        // Until the client has read the GOAWAY (bounded by a connect's
+        // time, with room for a loaded machine).
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let H2Slot::Ready((h2, _)) = &*client.h2.lock().unwrap() {
+                    if h2.refuses_streams() {
+                        return;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the client reads the GOAWAY");
+        let conn = client.connection(Proto::Http2).await.unwrap();
+        let rsp = conn.send(http::Request::new(crate::http::empty())).await;
+        assert_eq!(rsp.map(|r| r.status()).ok(), Some(http::StatusCode::OK));
+        assert_eq!(accepted.load(Ordering::SeqCst), 2, "a fresh connection");
+    }
+
+    /// A peer that allows no stream at all (SETTINGS_MAX_CONCURRENT_STREAMS
+    /// 0) gets no request, which would wait for its response timeout: it
+    /// fails at once, naming the setting.
+    #[tokio::test]
+    async fn a_peer_allowing_no_streams_fails_fast_naming_it() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            let mut conn = h2::server::Builder::new()
+                .max_concurrent_streams(0)
+                .handshake::<_, bytes::Bytes>(stream)
+                .await
+                .unwrap();
+            while conn.accept().await.is_some() {}
+        });
+        let client = EndpointClient::new(addr, None, Connector::plain(Duration::from_secs(5)));
+        // Until the client has read the peer's SETTINGS, bounded; nothing
+        // is sent meanwhile.
+        let error = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match client.connection(Proto::Http2).await {
+                    Err(e) => return e,
+                    Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+                }
+            }
+        })
+        .await
+        .expect("the peer's SETTINGS are read");
+        assert!(
+            error.contains("SETTINGS_MAX_CONCURRENT_STREAMS is 0"),
+            "{error}"
         );
     }
 

@@ -29,6 +29,11 @@ pub enum ProxyError {
     Connect { addr: SocketAddr, reason: String },
     #[error("upstream {addr} failed: {reason}")]
     Upstream { addr: SocketAddr, reason: String },
+    /// The peer refused the request before processing it (a drain's
+    /// GOAWAY, REFUSED_STREAM), or its connection closed before the
+    /// request was written: nothing reached the app.
+    #[error("upstream {addr} refused the request unprocessed: {reason}")]
+    Unprocessed { addr: SocketAddr, reason: String },
     #[error("app unreachable at {addr}: {reason}")]
     App { addr: SocketAddr, reason: String },
     #[error("CONNECT is not proxied")]
@@ -66,9 +71,10 @@ impl ProxyError {
             | ProxyError::DiscoveryLimit { .. }
             | ProxyError::FailFast
             | ProxyError::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ProxyError::Connect { .. } | ProxyError::Upstream { .. } | ProxyError::App { .. } => {
-                StatusCode::BAD_GATEWAY
-            }
+            ProxyError::Connect { .. }
+            | ProxyError::Upstream { .. }
+            | ProxyError::Unprocessed { .. }
+            | ProxyError::App { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::ConnectUnsupported => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::ResponseTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::NoRoute(_) => StatusCode::NOT_FOUND,

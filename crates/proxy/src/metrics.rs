@@ -123,7 +123,8 @@ const CLASSES: [&str; 7] = ["1xx", "2xx", "3xx", "4xx", "5xx", "grpc_error", "er
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RetryLabels {
     pub authority: String,
-    /// `retried`, or `budget_exhausted` when a retry was refused.
+    /// `retried`, `budget_exhausted` when a retry was refused, or
+    /// `unprocessed` when a request a peer refused unprocessed went out again.
     pub outcome: String,
 }
 

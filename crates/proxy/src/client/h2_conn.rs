@@ -21,7 +21,7 @@ use hyper::body::{Body as _, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::oneshot;
 
-use super::{KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
+use super::{SendError, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
 use crate::http::{Body, BodyError};
 
 // hyper's HTTP/2 client defaults (hyper 1.x `proto/h2/client.rs`), kept
@@ -70,14 +70,39 @@ impl H2 {
         self.shared.closed.load(Ordering::Acquire)
     }
 
-    /// What one request needs of the connection.
-    pub(super) fn sender(&self) -> Sender {
-        Sender {
-            send: self.send.clone(),
-            shared: self.shared.clone(),
+    /// What one request needs of the connection, once the connection
+    /// may open a stream. A connection closed, or told by its peer to go
+    /// away (GOAWAY: a drain), is marked closed so the next request
+    /// connects anew; nothing of the request has been sent.
+    pub(super) async fn sender(&self) -> Result<Sender, String> {
+        let send = self.send.clone().ready().await.map_err(|e| {
+            self.shared.closed.store(true, Ordering::Release);
+            bounded(&e)
+        })?;
+        // h2 would hold the request until a stream frees up, which never
+        // happens: its response timeout would be all the client hears.
+        // The connection stays (the peer may raise the limit again).
+        if send.current_max_send_streams() == 0 {
+            return Err(NO_STREAMS.into());
         }
+        Ok(Sender {
+            send,
+            shared: self.shared.clone(),
+        })
+    }
+
+    /// Whether h2 opens no more streams here (it read the peer's GOAWAY),
+    /// without marking the connection closed.
+    #[cfg(test)]
+    pub(super) fn refuses_streams(&self) -> bool {
+        use futures::FutureExt;
+        matches!(self.send.clone().ready().now_or_never(), Some(Err(_)))
     }
 }
+
+/// Why a peer that allows no stream at all gets no request.
+pub(super) const NO_STREAMS: &str =
+    "the peer allows no concurrent streams (its SETTINGS_MAX_CONCURRENT_STREAMS is 0)";
 
 /// Opens HTTP/2 on `io` and spawns the task that drives it.
 pub(super) async fn handshake<I>(io: I, addr: std::net::SocketAddr) -> Result<H2, h2::Error>
@@ -311,7 +336,7 @@ pub(super) struct Sender {
 }
 
 impl Sender {
-    pub(super) async fn send(self, req: Request<Body>) -> Result<Response<H2Body>, BodyError> {
+    pub(super) async fn send(self, req: Request<Body>) -> Result<Response<H2Body>, SendError> {
         let Sender { send, shared } = self;
         let (mut parts, body) = req.into_parts();
         crate::http::strip_hop_by_hop_http2(&mut parts.headers);
@@ -331,26 +356,32 @@ impl Sender {
             && parts.uri.scheme().is_none()
             && parts.uri.authority().is_none()
         {
-            return Err("an HTTP/2 request needs a valid authority".into());
+            return Err(SendError::failed(
+                "an HTTP/2 request needs a valid authority",
+            ));
         }
         let end_of_stream = body.is_end_stream();
         // Counted before the connection's task hears of the stream, so the
         // keep-alive sees it in flight.
         let in_flight = InFlight::enter(&shared);
-        let mut send = send.ready().await.map_err(|e| closing(&shared, e))?;
+        let mut send = send;
         let (response, stream) = send
             .send_request(Request::from_parts(parts, ()), end_of_stream)
-            .map_err(|e| closing(&shared, e))?;
+            .map_err(|e| not_sent(&shared, e))?;
         drop(send);
         let pipe = (!end_of_stream).then(|| pipe(body, stream));
         let rsp = response.await.map_err(|e| {
             if shared.timed_out.load(Ordering::Acquire) {
-                return BodyError::from("HTTP/2 keep-alive: the peer did not answer a PING");
+                return SendError::failed("HTTP/2 keep-alive: the peer did not answer a PING");
             }
             if e.is_go_away() {
                 shared.closed.store(true, Ordering::Release);
             }
-            bounded(&e).into()
+            if refused(&e) {
+                SendError::unprocessed(bounded(&e))
+            } else {
+                SendError::failed(bounded(&e))
+            }
         })?;
         let remaining = content_length(rsp.headers());
         Ok(rsp.map(|recv| H2Body {
@@ -363,10 +394,24 @@ impl Sender {
     }
 }
 
-/// A connection that fails to open a stream takes no more.
-fn closing(shared: &Shared, e: h2::Error) -> BodyError {
-    shared.closed.store(true, Ordering::Release);
-    bounded(&e).into()
+/// A request h2 did not send. A connection that cannot open a stream
+/// (closed, or gone away since it was found ready) takes no more; a
+/// request h2 refuses for what it is (its headers) leaves it be.
+fn not_sent(shared: &Shared, e: h2::Error) -> SendError {
+    if e.is_go_away() || e.is_io() {
+        shared.closed.store(true, Ordering::Release);
+        return SendError::unprocessed(bounded(&e));
+    }
+    SendError::failed(bounded(&e))
+}
+
+/// Whether the peer says it did not process the stream: reset with
+/// REFUSED_STREAM, or failed by a GOAWAY whose last stream id is below it
+/// (h2 fails with the peer's GOAWAY only the streams above that id; those
+/// below it that the connection's end cuts fail with an I/O error).
+fn refused(e: &h2::Error) -> bool {
+    e.is_remote()
+        && (e.is_go_away() || (e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM)))
 }
 
 /// An h2 error's message, bounded: h2 shows a GOAWAY's debug data whole
@@ -603,6 +648,12 @@ mod tests {
         handshake(io, addr).await.unwrap()
     }
 
+    /// A request without a body, on `h2`.
+    async fn send_empty(h2: &H2) -> Result<Response<H2Body>, SendError> {
+        let sender = h2.sender().await.expect("the connection is open");
+        sender.send(Request::new(crate::http::empty())).await
+    }
+
     /// Waits (bounded) for the peer to read a frame of type `kind`.
     async fn read_by_peer(
         frames: &mut tokio::sync::mpsc::UnboundedReceiver<Read>,
@@ -636,7 +687,7 @@ mod tests {
         for body in [crate::http::empty(), streaming()] {
             let (addr, mut frames) = raw_peer(Vec::new()).await;
             let h2 = connect(addr).await;
-            let sending = h2.sender().send(Request::new(body));
+            let sending = h2.sender().await.unwrap().send(Request::new(body));
             tokio::select! {
                 _ = sending => panic!("the peer never answers"),
                 _ = read_by_peer(&mut frames, 0x1) => {}
@@ -666,7 +717,13 @@ mod tests {
             use http_body_util::BodyExt;
             http_body_util::StreamBody::new(chunks).boxed()
         };
-        let rsp = h2.sender().send(Request::new(body)).await.unwrap();
+        let rsp = h2
+            .sender()
+            .await
+            .unwrap()
+            .send(Request::new(body))
+            .await
+            .unwrap();
         assert_eq!(rsp.status(), 200);
         drop(rsp);
         let (_, stream, code) = read_by_peer(&mut frames, 0x3).await;
@@ -683,7 +740,7 @@ mod tests {
         // A whole response: `:status: 200`, END_STREAM and END_HEADERS.
         let (addr, mut frames) = raw_peer(frame(0x1, 0x5, 1, &[0x88])).await;
         let h2 = connect(addr).await;
-        let rsp = h2.sender().send(Request::new(crate::http::empty())).await;
+        let rsp = send_empty(&h2).await;
         assert!(rsp.is_ok(), "answered");
         drop(rsp);
         // Its endpoint's client still has it: it stays open.
@@ -706,10 +763,57 @@ mod tests {
         let h2 = connect(addr).await;
         let mut unnamed = Request::new(crate::http::empty());
         *unnamed.version_mut() = http::Version::HTTP_2;
-        assert!(h2.sender().send(unnamed).await.is_err());
+        assert!(h2.sender().await.unwrap().send(unnamed).await.is_err());
         assert!(!h2.is_closed());
-        let rsp = h2.sender().send(Request::new(crate::http::empty())).await;
+        let rsp = send_empty(&h2).await;
         assert_eq!(rsp.ok().map(|r| r.status()), Some(http::StatusCode::OK));
+    }
+
+    /// GOAWAY from a peer (NO_ERROR: a drain) whose last stream id is
+    /// below the request's stream, as h2 servers answer a stream that
+    /// arrives after their GOAWAY: the request was not processed, with or
+    /// without a body (one already streamed cannot be sent again: the
+    /// route decides), and the connection takes no more requests.
+    #[tokio::test]
+    async fn a_stream_above_a_goaways_last_stream_id_is_unprocessed() {
+        let mut goaway = 0u32.to_be_bytes().to_vec();
+        goaway.extend(u32::from(h2::Reason::NO_ERROR).to_be_bytes());
+        let streaming = || {
+            use http_body_util::BodyExt;
+            let first = Ok(Frame::data(Bytes::from_static(b"part")));
+            let chunks = futures::StreamExt::chain(
+                futures::stream::iter([first]),
+                futures::stream::pending(),
+            );
+            http_body_util::StreamBody::new(chunks).boxed()
+        };
+        for body in [crate::http::empty(), streaming()] {
+            let (addr, _frames) = raw_peer(frame(0x7, 0, 0, &goaway)).await;
+            let h2 = connect(addr).await;
+            let sent = h2.sender().await.unwrap().send(Request::new(body)).await;
+            let error = sent.err().expect("refused");
+            assert!(error.is_unprocessed(), "{error}");
+            assert!(h2.is_closed());
+        }
+    }
+
+    /// RST_STREAM with REFUSED_STREAM: that request was not processed, and
+    /// the connection goes on (the peer refused a stream, not all). A
+    /// stream reset for another reason may have been processed.
+    #[tokio::test]
+    async fn only_a_stream_reset_as_refused_is_unprocessed() {
+        for (reason, unprocessed) in [
+            (h2::Reason::REFUSED_STREAM, true),
+            (h2::Reason::INTERNAL_ERROR, false),
+        ] {
+            let code = u32::from(reason).to_be_bytes();
+            let (addr, _frames) = raw_peer(frame(0x3, 0, 1, &code)).await;
+            let h2 = connect(addr).await;
+            let sent = send_empty(&h2).await;
+            let error = sent.err().expect("reset");
+            assert_eq!(error.is_unprocessed(), unprocessed, "{reason:?}: {error}");
+            assert!(!h2.is_closed());
+        }
     }
 
     /// A GOAWAY's debug data is the peer's text, as long as a frame: the
@@ -722,7 +826,7 @@ mod tests {
         goaway.extend([0x01; 16_000]);
         let (addr, _frames) = raw_peer(frame(0x7, 0, 0, &goaway)).await;
         let h2 = connect(addr).await;
-        let sent = h2.sender().send(Request::new(crate::http::empty())).await;
+        let sent = send_empty(&h2).await;
         let error = sent.err().expect("the request fails").to_string();
         assert!(error.starts_with("connection error received"), "{error}");
         assert!(

@@ -14,7 +14,7 @@ use http::{Request, Response, Version};
 use super::service::Service;
 use super::{Outbound, CONNECT_ATTEMPTS};
 use crate::balance::{pick, EndpointHandle, Endpoints};
-use crate::client::EndpointClient;
+use crate::client::{EndpointClient, SendError};
 use crate::errors::ProxyError;
 use crate::http::{
     rewrite_for_hop, strip_hop_by_hop, strip_hop_by_hop_response, strip_mesh_asserted, Body,
@@ -112,11 +112,11 @@ impl Outbound {
             let answer = if retryable {
                 let gone = gone(&ep, svc.balancer.watch());
                 tokio::select! {
-                    answer = conn.send(req) => answer.map_err(|e| e.to_string()),
-                    why = gone => Err(why.to_string()),
+                    answer = conn.send(req) => answer,
+                    why = gone => Err(SendError::failed(why)),
                 }
             } else {
-                conn.send(req).await.map_err(|e| e.to_string())
+                conn.send(req).await
             };
             return match answer {
                 Ok(rsp) if crate::upgrade::switched_unasked(version, upgrade, rsp.status()) => {
@@ -148,9 +148,17 @@ impl Outbound {
                     }
                     Ok((Response::from_parts(parts, ReplyBody::Upstream(body)), hop))
                 }
-                Err(reason) => {
+                // Refused, not failed: a draining peer is not unhealthy.
+                Err(e) if e.is_unprocessed() => Err(ProxyError::Unprocessed {
+                    addr,
+                    reason: e.to_string(),
+                }),
+                Err(e) => {
                     ep.request_failed();
-                    Err(ProxyError::Upstream { addr, reason })
+                    Err(ProxyError::Upstream {
+                        addr,
+                        reason: e.to_string(),
+                    })
                 }
             };
         }

@@ -71,14 +71,26 @@ pub(super) struct RouteTarget<'a> {
     pub orig_authority: &'a str,
 }
 
+/// How a request may go out again.
+enum Resend {
+    /// Retryable, its body read and kept: after any failure before the
+    /// app answered, and on the route's conditions.
+    Retryable(Bytes),
+    /// No body: only when a peer refused it unprocessed.
+    Unprocessed,
+    /// A body streamed as it comes: sent once.
+    Once,
+}
+
 /// The body of a retryable request, read and kept so it can be sent again;
-/// any other body, as it is, to be sent once. A route's retry policy makes
-/// any method retryable, with its own body limit.
+/// any other body, as it is, to be sent once (a request without one may be
+/// sent again when a peer refused it unprocessed). A route's retry policy
+/// makes any method retryable, with its own body limit.
 async fn keep_if_retryable(
     parts: &http::request::Parts,
     body: Body,
     route: Option<&crate::policy::Retry>,
-) -> Result<(Option<Bytes>, Option<Body>), ProxyError> {
+) -> Result<(Resend, Option<Body>), ProxyError> {
     let (method_ok, limit) = match route {
         Some(r) => (true, u64::from(r.max_request_bytes)),
         None => (
@@ -86,20 +98,26 @@ async fn keep_if_retryable(
             crate::retry::MAX_BODY,
         ),
     };
+    let ended = hyper::body::Body::is_end_stream(&body);
     let retryable = method_ok
-        && (hyper::body::Body::is_end_stream(&body)
+        && (ended
             || hyper::body::Body::size_hint(&body)
                 .exact()
                 .is_some_and(|n| n <= limit));
     if !retryable {
-        return Ok((None, Some(body)));
+        let resend = if ended {
+            Resend::Unprocessed
+        } else {
+            Resend::Once
+        };
+        return Ok((resend, Some(body)));
     }
     let bytes = body
         .collect()
         .await
         .map_err(|e| ProxyError::RequestBody(e.to_string()))?
         .to_bytes();
-    Ok((Some(bytes), None))
+    Ok((Resend::Retryable(bytes), None))
 }
 
 impl Outbound {
@@ -221,7 +239,8 @@ impl Outbound {
             route: route_retry,
         } = plan;
         budget.deposit();
-        let (kept, mut body) = keep_if_retryable(&parts, body, route_retry).await?;
+        let (resend, mut body) = keep_if_retryable(&parts, body, route_retry).await?;
+        let retryable = matches!(resend, Resend::Retryable(_));
         let max_retries = route_retry.map_or(MAX_RETRIES, |r| r.max_retries as usize);
         // The service's own parse when the request names it (the backend
         // of a route may be another service).
@@ -238,19 +257,23 @@ impl Outbound {
             tried: Default::default(),
             authority: hop_authority,
             version,
-            retryable: kept.is_some(),
+            retryable,
         };
         let mut retries = 0;
+        let mut replayed = false;
         let mut parts = Some(parts);
         loop {
             // A request sent once is sent as it is; only one that may be
             // sent again keeps its head for that.
-            let (attempt_parts, attempt_body) = match (&kept, body.take(), &mut parts) {
-                (Some(bytes), _, Some(parts)) => {
+            let (attempt_parts, attempt_body) = match (&resend, body.take(), &mut parts) {
+                (Resend::Retryable(bytes), _, Some(parts)) => {
                     (clone_parts(parts), crate::http::full(bytes.clone()))
                 }
-                (None, Some(b), parts @ Some(_)) => (parts.take().expect("matched as Some"), b),
-                _ => unreachable!("a request that cannot be retried is sent once"),
+                (Resend::Unprocessed, _, Some(parts)) => (clone_parts(parts), crate::http::empty()),
+                (Resend::Once, Some(b), parts @ Some(_)) => {
+                    (parts.take().expect("matched as Some"), b)
+                }
+                _ => unreachable!("a request that cannot be sent again is sent once"),
             };
             let attempt = Box::pin(self.attempt(&mut ctx, attempt_parts, attempt_body));
             let attempt = match route_retry.and_then(|r| r.timeout) {
@@ -259,12 +282,33 @@ impl Outbound {
                     .unwrap_or(Err(ProxyError::ResponseTimeout(limit))),
                 None => attempt.await,
             };
+            // A peer that refused the request unprocessed (draining, say)
+            // never saw it: it goes out again whatever its method, once,
+            // outside the budget, when it still can (its body is not half
+            // streamed). Another endpoint is preferred; the same one will do
+            // on a fresh connection.
+            if let Err(ProxyError::Unprocessed { addr, .. }) = &attempt {
+                if !replayed && !matches!(resend, Resend::Once) {
+                    replayed = true;
+                    if !ctx.untried_left() {
+                        let refused = *addr;
+                        ctx.tried.retain(|tried| *tried != refused);
+                    }
+                    self.metrics.retry(authority, "unprocessed");
+                    tracing::debug!(%authority, "sending a request refused unprocessed again");
+                    continue;
+                }
+            }
             let failed_before_app = match &attempt {
                 Ok((rsp, _)) => {
                     matches!(rsp.status().as_u16(), 502 | 503)
                         && rsp.headers().contains_key(crate::http::PROXY_ERROR_HEADER)
                 }
-                Err(ProxyError::Connect { .. } | ProxyError::Upstream { .. }) => true,
+                Err(
+                    ProxyError::Connect { .. }
+                    | ProxyError::Upstream { .. }
+                    | ProxyError::Unprocessed { .. },
+                ) => true,
                 Err(_) => false,
             };
             // The route's conditions: the app's answer, or an attempt that
@@ -275,7 +319,7 @@ impl Outbound {
                     (Err(ProxyError::ResponseTimeout(_)), Some(_)) => true,
                     _ => false,
                 };
-            if !(failed_before_app || route_condition) || kept.is_none() || retries == max_retries {
+            if !(failed_before_app || route_condition) || !retryable || retries == max_retries {
                 return attempt;
             }
             retries += 1;
@@ -379,4 +423,40 @@ fn apply_filters<'f>(
         }
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(method: http::Method) -> http::request::Parts {
+        let mut req = Request::new(());
+        *req.method_mut() = method;
+        req.into_parts().0
+    }
+
+    /// A request a peer refused unprocessed may go out again only if it
+    /// still can: without a body, or with one kept for retries; a body
+    /// streamed as it comes is sent once.
+    #[tokio::test]
+    async fn only_a_request_whose_body_is_whole_may_go_out_again() {
+        let post = head(http::Method::POST);
+        let (resend, _) = keep_if_retryable(&post, crate::http::empty(), None)
+            .await
+            .unwrap();
+        assert!(matches!(resend, Resend::Unprocessed));
+        let streamed = {
+            let chunks = futures::stream::iter([Ok::<_, crate::http::BodyError>(
+                hyper::body::Frame::data(Bytes::from_static(b"order")),
+            )]);
+            http_body_util::StreamBody::new(chunks).boxed()
+        };
+        let (resend, body) = keep_if_retryable(&post, streamed, None).await.unwrap();
+        assert!(matches!(resend, Resend::Once) && body.is_some());
+        let get = head(http::Method::GET);
+        let (resend, _) = keep_if_retryable(&get, crate::http::empty(), None)
+            .await
+            .unwrap();
+        assert!(matches!(resend, Resend::Retryable(_)));
+    }
 }
