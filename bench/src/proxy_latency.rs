@@ -907,6 +907,13 @@ async fn main() -> anyhow::Result<()> {
     for (name, took) in &start_up {
         println!("  {name:<24} {:>6.0} ms", took.as_secs_f64() * 1000.0);
     }
+    // SIGTERM, not SIGKILL: an instrumented proxy (bench/pgo.sh) writes
+    // its profile as it exits. Client first: nothing is in flight.
+    for pair in &mut tether_pairs {
+        for p in pair.iter_mut().rev() {
+            p.stop(Duration::from_secs(15)).await;
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
