@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Builds the sidecar with profile-guided optimisation (PGO) on top of the
 # release-lto profile: an instrumented tether-proxy carries the proxy-cost
-# benchmark's traffic (bench/proxy-latency.sh: HTTP/1.1 app traffic through
-# plaintext and mTLS pairs, HTTP/2 between the proxies, at 1k and 5k req/s
-# and at full speed), LLVM merges what it counted, and the sidecar is built
-# again from that profile. Result: target/pgo/tether-proxy.
+# benchmark's traffic (bench/proxy-latency.sh: HTTP/1.1 and gRPC apps
+# through plaintext and mTLS pairs, HTTP/2 between the proxies, at 1k and
+# 5k req/s and at full speed), LLVM merges what it counted, and the
+# sidecar is built again from that profile. Result: target/pgo/tether-proxy.
 # Measure it against the plain LTO build in one run with
 #   target/release/proxy-latency --tether-proxy target/pgo/tether-proxy \
 #     --compare target/release-lto/tether-proxy
@@ -41,10 +41,15 @@ RUSTFLAGS="-Cprofile-generate=$raw" CARGO_TARGET_DIR="$root/target/pgo-generate"
   cargo build --profile release-lto -q -p tether-proxy-cli --target "$host"
 
 rm -rf "$raw"
-echo "pgo: training run (bench/proxy-latency, 1 repetition)..." >&2
-target/release/proxy-latency --tether target/release/tether \
-  --tether-proxy "target/pgo-generate/$host/release-lto/tether-proxy" \
-  --reps 1 --seconds 3 >"$root/target/pgo/training.txt"
+# HTTP/1.1 apps (nginx behind, the HAProxy comparison's traffic) and gRPC
+# apps (HTTP/2 on both edges): a path left out of training is laid out as
+# cold code, so each kind of traffic the sidecar carries is in the profile.
+for protocol in http1 grpc; do
+  echo "pgo: training run, $protocol (bench/proxy-latency, 1 repetition)..." >&2
+  target/release/proxy-latency --tether target/release/tether \
+    --tether-proxy "target/pgo-generate/$host/release-lto/tether-proxy" \
+    --protocol "$protocol" --reps 1 --seconds 3 >"$root/target/pgo/training-$protocol.txt"
+done
 shopt -s nullglob
 profiles=("$raw"/*.profraw)
 [ ${#profiles[@]} -gt 0 ] || { echo "pgo: the training run wrote no profile under $raw" >&2; exit 1; }

@@ -19,7 +19,7 @@
 //! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
 //!          [--perf DIR] [--syscalls] [--allocs] [--compare-h1] [--haproxy-mtls]
-//!          [--tether-proxy PATH]
+//!          [--tether-proxy PATH] [--protocol http1|http2|grpc]
 //!
 //! The Tether pairs run `tether-proxy`, the proxy-only binary (`--tether-proxy
 //! PATH`; default: beside `--tether`); `--compare target/release/tether`
@@ -56,6 +56,13 @@
 //!
 //! `--allocs` counts, the same way, each proxy's heap allocations and
 //! timers per request (uprobes; see `alloc_probes.rs`).
+//!
+//! `--protocol http2|grpc` has the load speak HTTP/2 or gRPC to the demo
+//! app (the backend then, nginx serves HTTP/1.1 only) through the Tether
+//! pairs: Tether builds compared on traffic other than the default
+//! HTTP/1.1 (a build trained on that traffic by `bench/pgo.sh`, say). The
+//! HAProxy pairs speak HTTP/1.1 only and are left out; so are the ratios
+//! against them.
 
 #![forbid(unsafe_code)]
 
@@ -97,6 +104,8 @@ struct Args {
     /// Add an HAProxy pair with mTLS and HTTP/2 between its two proxies
     /// (Tether's wire protocol), for an informational ratio.
     haproxy_mtls: bool,
+    /// What the load speaks to the outbound: `http1`, `http2` or `grpc`.
+    protocol: String,
 }
 
 /// One pair of Tether proxies to measure.
@@ -193,6 +202,7 @@ fn parse_args() -> anyhow::Result<Args> {
         compare_h1: false,
         allocs: false,
         haproxy_mtls: false,
+        protocol: "http1".to_string(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -230,6 +240,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--compare" => args.compare.push(value.into()),
             "--compare-threads" => args.compare_threads.push(value),
             "--perf" => args.perf = Some(value.into()),
+            "--protocol" => args.protocol = value,
             other => bail!("unknown flag {other}"),
         }
     }
@@ -238,6 +249,9 @@ fn parse_args() -> anyhow::Result<Args> {
     }
     if args.rates.is_empty() || args.rates.iter().any(|r| *r <= 0.0) {
         bail!("--rates must be positive");
+    }
+    if !["http1", "http2", "grpc"].contains(&args.protocol.as_str()) {
+        bail!("--protocol must be http1, http2 or grpc");
     }
     if !(1..=20).contains(&args.reps) {
         bail!("--reps must be in 1..=20");
@@ -271,6 +285,8 @@ fn load(
         &seconds.to_string(),
         "--concurrency",
         &args.concurrency.to_string(),
+        "--protocol",
+        &args.protocol,
     ]);
     if let Some(r) = rate {
         cmd.args(["--rate", &r.to_string()]);
@@ -585,8 +601,17 @@ async fn main() -> anyhow::Result<()> {
     let log = |n: &str| dir.join(format!("{n}.log"));
     let s = |v: &str| v.to_string();
     let any = "127.0.0.1:0";
-    ensure_installed("haproxy", "haproxy")?;
-    let with_nginx = ensure_installed("nginx", "nginx-light").is_ok();
+    // nginx and HAProxy are set up for HTTP/1.1 here.
+    let http1 = args.protocol == "http1";
+    if http1 {
+        ensure_installed("haproxy", "haproxy")?;
+    } else {
+        println!(
+            "--protocol {}: the demo app is the backend; the HAProxy pairs (HTTP/1.1) are left out",
+            args.protocol
+        );
+    }
+    let with_nginx = http1 && ensure_installed("nginx", "nginx-light").is_ok();
     let ports = tether_bench::reserve_ports(3)?;
 
     // The backend every route ends at.
@@ -623,10 +648,15 @@ async fn main() -> anyhow::Result<()> {
     };
 
     // The HAProxy pair: client side → server side → backend.
-    let (haproxy_pids, children) =
-        haproxy_pair(&dir, "haproxy", (ports[1], ports[2]), backend, false).await?;
-    _peers.extend(children);
-    let haproxy_mtls = if args.haproxy_mtls {
+    let haproxy = if http1 {
+        let (pids, children) =
+            haproxy_pair(&dir, "haproxy", (ports[1], ports[2]), backend, false).await?;
+        _peers.extend(children);
+        Some(pids)
+    } else {
+        None
+    };
+    let haproxy_mtls = if http1 && args.haproxy_mtls {
         let more = tether_bench::reserve_ports(2)?;
         let (pids, children) =
             haproxy_pair(&dir, "haproxy-mtls", (more[0], more[1]), backend, true).await?;
@@ -659,20 +689,20 @@ async fn main() -> anyhow::Result<()> {
         &["grpc", "admin"],
     )
     .await?;
-    let mut routes = vec![
-        Route {
-            name: s("direct"),
-            connect: backend,
-            authority: s("web.bench.svc.cluster.local:8080"),
-            pids: vec![],
-        },
-        Route {
+    let mut routes = vec![Route {
+        name: s("direct"),
+        connect: backend,
+        authority: s("web.bench.svc.cluster.local:8080"),
+        pids: vec![],
+    }];
+    if let Some(pids) = haproxy {
+        routes.push(Route {
             name: s("haproxy"),
             connect: ports[1],
             authority: s("web.bench.svc.cluster.local:8080"),
-            pids: haproxy_pids,
-        },
-    ];
+            pids,
+        });
+    }
     if let Some((connect, pids)) = haproxy_mtls {
         routes.push(Route {
             name: s(HAPROXY_MTLS),
