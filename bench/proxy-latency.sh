@@ -15,11 +15,26 @@
 #   --compare-h1 (an extra mTLS pair speaking HTTP/1.1 between the proxies: what HTTP/2 costs)
 #   --haproxy-mtls (an extra HAProxy pair with mTLS and HTTP/2 between its proxies, as Tether's: informational ratios)
 #   --allocs (count each proxy's heap allocations and timers per request, with uprobes, during the first repetition)
+#   --protocol http2|grpc (the load speaks HTTP/2 or gRPC to the demo app; no HAProxy pairs)
+#   --pgo (build the sidecar with profile-guided optimisation, bench/pgo.sh, ~25 min from scratch; its pairs run
+#     that build, and an extra mTLS pair runs the release-lto build it started from)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+pgo=()
+args=()
+for a in "$@"; do
+  if [ "$a" = "--pgo" ]; then
+    pgo=(--tether-proxy target/pgo/tether-proxy --compare target/release-lto/tether-proxy)
+  else
+    args+=("$a")
+  fi
+done
 cargo build --release -q -p tether -p tether-bench -p tether-proxy-cli
-echo "building the sidecar as it ships (cargo build --profile release-lto -p tether-proxy-cli)..." >&2
+echo "building the sidecar (cargo build --profile release-lto -p tether-proxy-cli)..." >&2
 cargo build --profile release-lto -q -p tether-proxy-cli
-# A later --tether-proxy in "$@" wins.
+if [ ${#pgo[@]} -gt 0 ]; then
+  bench/pgo.sh
+fi
+# A later --tether-proxy in the arguments wins.
 exec target/release/proxy-latency --tether target/release/tether \
-  --tether-proxy target/release-lto/tether-proxy "$@"
+  --tether-proxy target/release-lto/tether-proxy "${pgo[@]}" "${args[@]}"
