@@ -257,3 +257,94 @@ async fn a_peer_draining_under_load_fails_no_request() {
         "requests failed while a peer drained: {seen:?}"
     );
 }
+
+/// A peer speaking HTTP/2 (as a peer proxy does) that refuses the first
+/// request for each path with REFUSED_STREAM, unprocessed, and answers
+/// every later one.
+async fn refusing_peer() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(stream).await else {
+                    return;
+                };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    let first = seen.lock().unwrap().insert(req.uri().path().to_string());
+                    if first {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                    } else {
+                        let _ = respond.send_response(http::Response::new(()), true);
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A POST over a fresh HTTP/1 connection: without a body, or with one
+/// streamed in chunks (no length known ahead).
+async fn post(outbound: SocketAddr, authority: &str, path: &str, streamed: bool) -> Answer {
+    use http_body_util::BodyExt;
+    let io = tokio::net::TcpStream::connect(outbound).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(io))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let body = if streamed {
+        let chunk = hyper::body::Frame::data(bytes::Bytes::from_static(b"part"));
+        let chunks = futures::stream::iter([Ok::<_, std::convert::Infallible>(chunk)]);
+        http_body_util::StreamBody::new(chunks).boxed()
+    } else {
+        http_body_util::Empty::new().boxed()
+    };
+    let req = http::Request::post(path)
+        .header(http::header::HOST, authority)
+        .body(body)
+        .unwrap();
+    let rsp = sender.send_request(req).await.unwrap();
+    let (parts, body) = rsp.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+        version: parts.version,
+    }
+}
+
+/// A request the peer refused unprocessed (REFUSED_STREAM) goes out again,
+/// though it is not idempotent, when its body is whole (here: none); one
+/// whose body was streamed to the peer cannot, and fails naming the
+/// refusal.
+#[tokio::test]
+async fn a_request_refused_unprocessed_goes_out_again_only_with_its_body_whole() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    scratch.endpoint("web-0", "web", refusing_peer().await, true);
+    let client = scratch
+        .proxy("client", control.addr("grpc"), None, &[])
+        .await;
+    let (outbound, web) = (client.addr("outbound"), authority("web", 8080));
+
+    let answer = post(outbound, &web, "/orders", false).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.proxy_error());
+    let answer = post(outbound, &web, "/uploads", true).await;
+    assert_eq!(answer.status, 502);
+    let error = answer.proxy_error().unwrap_or_default();
+    assert!(error.contains("refused the request unprocessed"), "{error}");
+
+    let text = metrics(client.addr("admin")).await;
+    let resent = metric_value(
+        &text,
+        "tether_proxy_retries_total",
+        &[("authority", &web), ("outcome", "unprocessed")],
+    );
+    assert_eq!(resent, 1.0, "{text}");
+}
