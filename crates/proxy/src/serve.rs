@@ -225,7 +225,7 @@ where
 }
 
 #[cfg(test)]
-mod shutdown_tests;
+mod hostile_tests;
 
 /// A connection told to close finishes what is in flight for at most
 /// `limit`: HTTP/2's graceful GOAWAY waits for the client to answer a

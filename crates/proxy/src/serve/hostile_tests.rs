@@ -1,0 +1,232 @@
+//! The listeners' HTTP server against hostile clients, over real sockets
+//! and raw HTTP/2 frames: what a client that does not play along can make
+//! the server hold or do stays bounded, whichever server drives the
+//! connection.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+use super::{serve_http, Conn, ServeConfig, ServeLimits};
+use crate::metrics::ProxyMetrics;
+
+/// Bounds every wait: far past the configured timeouts below on a
+/// loaded machine, reached only when the awaited event never comes.
+const WAIT: Duration = Duration::from_secs(20);
+
+async fn empty_answer<B>(_req: http::Request<B>) -> http::Response<crate::http::Body> {
+    http::Response::new(crate::http::empty())
+}
+
+/// An HTTP/2 client that sends its preface and SETTINGS, then answers
+/// nothing (no SETTINGS ack, no PING ack) and sends no request: once idle,
+/// the server's graceful GOAWAY waits for a PING round trip that never
+/// ends. The connection (and its place under the connection cap) is
+/// released within the drain timeout all the same.
+#[tokio::test]
+async fn an_idle_http2_client_that_ignores_the_goaway_is_closed() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = ServeConfig {
+        max_connections: Some(4),
+        idle_timeout: Duration::from_millis(100),
+        ..ServeConfig::default()
+    };
+    let limits = ServeLimits::new(&config, Duration::from_millis(500), ProxyMetrics::default());
+    let (_drain_tx, drain) = watch::channel(false);
+    // Served in this task (a spawned serve_http trips rustc's
+    // higher-ranked inference).
+    let server = async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let conn = Conn {
+            drain,
+            _permit: limits.connections.clone().try_acquire_owned().unwrap(),
+            limits,
+            direction: "test",
+        };
+        serve_http(stream, empty_answer, conn).await;
+    };
+    let client = async {
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        // The preface, then an empty SETTINGS frame.
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend([0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+        client.write_all(&hello).await.unwrap();
+        // What the server sends is read (so it is never stuck writing)
+        // and ignored, until it closes.
+        let mut buf = [0u8; 4096];
+        while let Ok(1..) = client.read(&mut buf).await {}
+    };
+    let closed = tokio::time::timeout(WAIT, async { tokio::join!(server, client) }).await;
+    assert!(closed.is_ok(), "the server still holds the connection");
+}
+
+/// An HTTP/2 frame: 9-byte header (length, type, flags, stream), payload.
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    f.extend([kind, flags]);
+    f.extend(stream.to_be_bytes());
+    f.extend(payload);
+    f
+}
+
+const HEADERS: u8 = 0x1;
+const RST_STREAM: u8 = 0x3;
+const GOAWAY: u8 = 0x7;
+const END_STREAM_AND_HEADERS: u8 = 0x5;
+const CANCEL: u32 = 0x8;
+const ENHANCE_YOUR_CALM: u32 = 0xb;
+
+/// HPACK for `GET http://a/`: indexed `:method GET`, `:scheme http`,
+/// `:path /`, then `:authority a` as a literal.
+const GET: [u8; 6] = [0x82, 0x86, 0x84, 0x01, 0x01, b'a'];
+
+/// A header literal without indexing, with a new name.
+fn literal(name: &str, value: &str) -> Vec<u8> {
+    let mut b = vec![0x00, name.len() as u8];
+    b.extend(name.as_bytes());
+    b.push(value.len() as u8);
+    b.extend(value.as_bytes());
+    b
+}
+
+/// One client connection served by `serve_http`, with a raw client that
+/// sends the preface, SETTINGS and `sent`, then reads what the server
+/// says until it sends GOAWAY, or HEADERS on stream `last`, or closes:
+/// the frames read (type, stream, and the error code of a RST_STREAM or
+/// GOAWAY).
+async fn frames_answering(sent: Vec<u8>, last: u32) -> Vec<(u8, u32, Option<u32>)> {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = ServeConfig {
+        max_connections: Some(4),
+        ..ServeConfig::default()
+    };
+    let limits = ServeLimits::new(&config, WAIT, ProxyMetrics::default());
+    let (_drain_tx, drain) = watch::channel(false);
+    let server = async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let conn = Conn {
+            drain,
+            _permit: limits.connections.clone().try_acquire_owned().unwrap(),
+            limits,
+            direction: "test",
+        };
+        serve_http(stream, empty_answer, conn).await;
+    };
+    let client = async {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut read, mut write) = stream.into_split();
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend(frame(0x4, 0, 0, &[]));
+        hello.extend(sent);
+        // Written beside the reads: the server's answers must not wait
+        // for the whole of it.
+        let writing = async move {
+            let _ = write.write_all(&hello).await;
+            write
+        };
+        let reading = async {
+            let mut frames = Vec::new();
+            let mut head = [0u8; 9];
+            while read.read_exact(&mut head).await.is_ok() {
+                let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & !(1 << 31);
+                let mut payload = vec![0u8; len];
+                if read.read_exact(&mut payload).await.is_err() {
+                    break;
+                }
+                let code = match head[3] {
+                    RST_STREAM => Some(u32::from_be_bytes(payload[..4].try_into().unwrap())),
+                    GOAWAY => Some(u32::from_be_bytes(payload[4..8].try_into().unwrap())),
+                    _ => None,
+                };
+                frames.push((head[3], stream, code));
+                if head[3] == GOAWAY || (head[3] == HEADERS && stream == last) {
+                    break;
+                }
+            }
+            frames
+        };
+        // The write half stays open until the reading ends.
+        let (_write, frames) = tokio::join!(writing, reading);
+        frames
+    };
+    let answered = tokio::time::timeout(WAIT, async { tokio::join!(server, client).1 });
+    answered.await.expect("the server answers, then closes")
+}
+
+/// Rapid reset (CVE-2023-44487): streams opened and reset at once, in a
+/// loop, cost the server their setup while never counting as concurrent.
+/// Past h2's bound on streams reset before they are accepted (hyper's
+/// setting, h2's default of 20), the connection is closed with
+/// ENHANCE_YOUR_CALM.
+#[tokio::test]
+async fn a_rapid_reset_flood_closes_the_connection() {
+    let mut sent = Vec::new();
+    for i in 0..200u32 {
+        let id = 2 * i + 1;
+        sent.extend(frame(HEADERS, END_STREAM_AND_HEADERS, id, &GET));
+        sent.extend(frame(RST_STREAM, 0, id, &CANCEL.to_be_bytes()));
+    }
+    let frames = frames_answering(sent, 0).await;
+    assert_eq!(
+        frames.last().map(|&(kind, _, code)| (kind, code)),
+        Some((GOAWAY, Some(ENHANCE_YOUR_CALM))),
+        "{frames:?}"
+    );
+}
+
+/// Requests HTTP/2 forbids never reach the service (h2 resets their
+/// streams): a connection-specific header, `te` other than `trailers`,
+/// extended CONNECT (`:protocol`, not enabled). A client that sends them
+/// in a loop makes the server reset a stream each time; past hyper's
+/// bound (1024 such resets) the connection is closed with
+/// ENHANCE_YOUR_CALM.
+#[tokio::test]
+async fn malformed_requests_are_refused_and_a_flood_of_them_closes_the_connection() {
+    let with = |extra: Vec<u8>| [GET.to_vec(), extra].concat();
+    let connect = [
+        vec![0x02, 7],
+        b"CONNECT".to_vec(),
+        literal(":protocol", "websocket"),
+        vec![0x86, 0x84, 0x01, 0x01, b'a'],
+    ]
+    .concat();
+    let malformed = [
+        with(literal("connection", "x")),
+        with(literal("te", "gzip")),
+        connect,
+    ];
+    // Each once, then a well-formed request: only that one is answered.
+    let mut sent = Vec::new();
+    let mut id = 1u32;
+    for block in &malformed {
+        sent.extend(frame(HEADERS, END_STREAM_AND_HEADERS, id, block));
+        id += 2;
+    }
+    sent.extend(frame(HEADERS, END_STREAM_AND_HEADERS, id, &GET));
+    let frames = frames_answering(sent, id).await;
+    let answered: Vec<_> = frames.iter().filter(|f| f.0 == HEADERS).collect();
+    assert_eq!(answered, [&(HEADERS, id, None)], "{frames:?}");
+    // A flood of them.
+    let mut sent = Vec::new();
+    for (i, block) in malformed.iter().cycle().take(1100).enumerate() {
+        sent.extend(frame(
+            HEADERS,
+            END_STREAM_AND_HEADERS,
+            2 * i as u32 + 1,
+            block,
+        ));
+    }
+    let frames = frames_answering(sent, 0).await;
+    assert!(!frames.iter().any(|f| f.0 == HEADERS), "{frames:?}");
+    assert_eq!(
+        frames.last().map(|&(kind, _, code)| (kind, code)),
+        Some((GOAWAY, Some(ENHANCE_YOUR_CALM))),
+        "{} frames",
+        frames.len()
+    );
+}
