@@ -130,21 +130,9 @@ async fn frames_answering(sent: Vec<u8>, last: u32) -> Vec<(u8, u32, Option<u32>
         };
         let reading = async {
             let mut frames = Vec::new();
-            let mut head = [0u8; 9];
-            while read.read_exact(&mut head).await.is_ok() {
-                let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
-                let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & !(1 << 31);
-                let mut payload = vec![0u8; len];
-                if read.read_exact(&mut payload).await.is_err() {
-                    break;
-                }
-                let code = match head[3] {
-                    RST_STREAM => Some(u32::from_be_bytes(payload[..4].try_into().unwrap())),
-                    GOAWAY => Some(u32::from_be_bytes(payload[4..8].try_into().unwrap())),
-                    _ => None,
-                };
-                frames.push((head[3], stream, code));
-                if head[3] == GOAWAY || (head[3] == HEADERS && stream == last) {
+            while let Some(f) = next_frame(&mut read).await {
+                frames.push(f);
+                if f.0 == GOAWAY || (f.0 == HEADERS && f.1 == last) {
                     break;
                 }
             }
@@ -229,4 +217,91 @@ async fn malformed_requests_are_refused_and_a_flood_of_them_closes_the_connectio
         "{} frames",
         frames.len()
     );
+}
+
+async fn big_answer<B>(_req: http::Request<B>) -> http::Response<crate::http::Body> {
+    http::Response::new(crate::http::full(vec![0u8; 256 * 1024]))
+}
+
+/// The next frame from the server: its type, stream and (RST_STREAM,
+/// GOAWAY) error code; `None` once the connection ends.
+async fn next_frame(read: &mut (impl AsyncReadExt + Unpin)) -> Option<(u8, u32, Option<u32>)> {
+    let mut head = [0u8; 9];
+    read.read_exact(&mut head).await.ok()?;
+    let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+    let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & !(1 << 31);
+    let mut payload = vec![0u8; len];
+    read.read_exact(&mut payload).await.ok()?;
+    let code = match head[3] {
+        RST_STREAM => Some(u32::from_be_bytes(payload[..4].try_into().unwrap())),
+        GOAWAY => Some(u32::from_be_bytes(payload[4..8].try_into().unwrap())),
+        _ => None,
+    };
+    Some((head[3], stream, code))
+}
+
+/// A client that gives no flow-control window (SETTINGS_INITIAL_WINDOW_SIZE
+/// 0, no WINDOW_UPDATE) gets its response's HEADERS and no data; when it
+/// resets the stream, the response (and what it holds upstream) is let
+/// go: nothing is in flight any more, so the connection idles out
+/// (GOAWAY) as configured.
+#[tokio::test]
+async fn a_stuck_response_reset_by_its_client_is_let_go() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = ServeConfig {
+        max_connections: Some(4),
+        idle_timeout: Duration::from_millis(100),
+        ..ServeConfig::default()
+    };
+    let limits = ServeLimits::new(&config, WAIT, ProxyMetrics::default());
+    let (_drain_tx, drain) = watch::channel(false);
+    let server = async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let conn = Conn {
+            drain,
+            _permit: limits.connections.clone().try_acquire_owned().unwrap(),
+            limits,
+            direction: "test",
+        };
+        serve_http(stream, big_answer, conn).await;
+    };
+    let client = async {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut read, mut write) = stream.into_split();
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend(frame(0x4, 0, 0, &[0x00, 0x04, 0, 0, 0, 0]));
+        hello.extend(frame(HEADERS, END_STREAM_AND_HEADERS, 1, &GET));
+        write.write_all(&hello).await.unwrap();
+        let mut seen = Vec::new();
+        loop {
+            let f = next_frame(&mut read).await.expect("the response's HEADERS");
+            seen.push(f);
+            assert_ne!(f.0, GOAWAY, "closed with the response in flight: {seen:?}");
+            if f.0 == HEADERS && f.1 == 1 {
+                break;
+            }
+        }
+        write
+            .write_all(&frame(RST_STREAM, 0, 1, &CANCEL.to_be_bytes()))
+            .await
+            .unwrap();
+        loop {
+            let f = next_frame(&mut read)
+                .await
+                .expect("a GOAWAY before the end");
+            seen.push(f);
+            if f.0 == GOAWAY {
+                assert_eq!(f.2, Some(0), "{seen:?}");
+                break;
+            }
+        }
+        assert!(
+            !seen.iter().any(|f| f.0 == 0x0 && f.1 == 1),
+            "no DATA without a window: {seen:?}"
+        );
+    };
+    tokio::time::timeout(WAIT, async { tokio::join!(server, client) })
+        .await
+        .expect("the reset response is let go and the connection idles out");
 }
