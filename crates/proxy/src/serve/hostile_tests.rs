@@ -20,25 +20,31 @@ async fn empty_answer<B>(_req: http::Request<B>) -> http::Response<crate::http::
     http::Response::new(crate::http::empty())
 }
 
-/// An HTTP/2 client that sends its preface and SETTINGS, then answers
-/// nothing (no SETTINGS ack, no PING ack) and sends no request: once idle,
-/// the server's graceful GOAWAY waits for a PING round trip that never
-/// ends. The connection (and its place under the connection cap) is
-/// released within the drain timeout all the same.
-#[tokio::test]
-async fn an_idle_http2_client_that_ignores_the_goaway_is_closed() {
+/// What the service answers every request with.
+enum Answer {
+    Empty,
+    /// 256 KiB: past a client's default flow-control window.
+    Big,
+}
+
+/// A listener for one client connection, served by `serve_http` with
+/// `config` and `drain_timeout`: its address, and the serving, to be run
+/// beside the client in the test's task (spawned, `serve_http` trips
+/// rustc's higher-ranked inference).
+async fn serve_one(
+    config: ServeConfig,
+    drain_timeout: Duration,
+    answer: Answer,
+) -> (std::net::SocketAddr, impl std::future::Future<Output = ()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let config = ServeConfig {
         max_connections: Some(4),
-        idle_timeout: Duration::from_millis(100),
-        ..ServeConfig::default()
+        ..config
     };
-    let limits = ServeLimits::new(&config, Duration::from_millis(500), ProxyMetrics::default());
-    let (_drain_tx, drain) = watch::channel(false);
-    // Served in this task (a spawned serve_http trips rustc's
-    // higher-ranked inference).
+    let limits = ServeLimits::new(&config, drain_timeout, ProxyMetrics::default());
     let server = async move {
+        let (_drain_tx, drain) = watch::channel(false);
         let (stream, _) = listener.accept().await.unwrap();
         let conn = Conn {
             drain,
@@ -46,8 +52,30 @@ async fn an_idle_http2_client_that_ignores_the_goaway_is_closed() {
             limits,
             direction: "test",
         };
-        serve_http(stream, empty_answer, conn).await;
+        match answer {
+            Answer::Empty => serve_http(stream, empty_answer, conn).await,
+            Answer::Big => serve_http(stream, big_answer, conn).await,
+        }
     };
+    (addr, server)
+}
+
+async fn big_answer<B>(_req: http::Request<B>) -> http::Response<crate::http::Body> {
+    http::Response::new(crate::http::full(vec![0u8; 256 * 1024]))
+}
+
+/// An HTTP/2 client that sends its preface and SETTINGS, then answers
+/// nothing (no SETTINGS ack, no PING ack) and sends no request: once idle,
+/// the server's graceful GOAWAY waits for a PING round trip that never
+/// ends. The connection (and its place under the connection cap) is
+/// released within the drain timeout all the same.
+#[tokio::test]
+async fn an_idle_http2_client_that_ignores_the_goaway_is_closed() {
+    let config = ServeConfig {
+        idle_timeout: Duration::from_millis(100),
+        ..ServeConfig::default()
+    };
+    let (addr, server) = serve_one(config, Duration::from_millis(500), Answer::Empty).await;
     let client = async {
         let mut client = TcpStream::connect(addr).await.unwrap();
         // The preface, then an empty SETTINGS frame.
@@ -98,24 +126,7 @@ fn literal(name: &str, value: &str) -> Vec<u8> {
 /// the frames read (type, stream, and the error code of a RST_STREAM or
 /// GOAWAY).
 async fn frames_answering(sent: Vec<u8>, last: u32) -> Vec<(u8, u32, Option<u32>)> {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let config = ServeConfig {
-        max_connections: Some(4),
-        ..ServeConfig::default()
-    };
-    let limits = ServeLimits::new(&config, WAIT, ProxyMetrics::default());
-    let (_drain_tx, drain) = watch::channel(false);
-    let server = async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        let conn = Conn {
-            drain,
-            _permit: limits.connections.clone().try_acquire_owned().unwrap(),
-            limits,
-            direction: "test",
-        };
-        serve_http(stream, empty_answer, conn).await;
-    };
+    let (addr, server) = serve_one(ServeConfig::default(), WAIT, Answer::Empty).await;
     let client = async {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut read, mut write) = stream.into_split();
@@ -219,10 +230,6 @@ async fn malformed_requests_are_refused_and_a_flood_of_them_closes_the_connectio
     );
 }
 
-async fn big_answer<B>(_req: http::Request<B>) -> http::Response<crate::http::Body> {
-    http::Response::new(crate::http::full(vec![0u8; 256 * 1024]))
-}
-
 /// The next frame from the server: its type, stream and (RST_STREAM,
 /// GOAWAY) error code; `None` once the connection ends.
 async fn next_frame(read: &mut (impl AsyncReadExt + Unpin)) -> Option<(u8, u32, Option<u32>)> {
@@ -247,25 +254,11 @@ async fn next_frame(read: &mut (impl AsyncReadExt + Unpin)) -> Option<(u8, u32, 
 /// (GOAWAY) as configured.
 #[tokio::test]
 async fn a_stuck_response_reset_by_its_client_is_let_go() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let config = ServeConfig {
-        max_connections: Some(4),
         idle_timeout: Duration::from_millis(100),
         ..ServeConfig::default()
     };
-    let limits = ServeLimits::new(&config, WAIT, ProxyMetrics::default());
-    let (_drain_tx, drain) = watch::channel(false);
-    let server = async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        let conn = Conn {
-            drain,
-            _permit: limits.connections.clone().try_acquire_owned().unwrap(),
-            limits,
-            direction: "test",
-        };
-        serve_http(stream, big_answer, conn).await;
-    };
+    let (addr, server) = serve_one(config, WAIT, Answer::Big).await;
     let client = async {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut read, mut write) = stream.into_split();
