@@ -288,7 +288,12 @@ async fn refusing_peer() -> SocketAddr {
 
 /// A POST over a fresh HTTP/1 connection: without a body, or with one
 /// streamed in chunks (no length known ahead).
-async fn post(outbound: SocketAddr, authority: &str, path: &str, streamed: bool) -> Answer {
+pub(crate) async fn post(
+    outbound: SocketAddr,
+    authority: &str,
+    path: &str,
+    streamed: bool,
+) -> Answer {
     use http_body_util::BodyExt;
     let io = tokio::net::TcpStream::connect(outbound).await.unwrap();
     let (mut sender, conn) =

@@ -425,3 +425,58 @@ async fn the_default_budget_is_a_fifth_of_requests_plus_ten_a_second() {
         "{m}"
     );
 }
+
+/// A peer speaking HTTP/2 that refuses every request unprocessed
+/// (REFUSED_STREAM), as a broken or hostile peer can, counting them.
+async fn refusing_everything(
+    streams: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let streams = streams.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(stream).await else {
+                    return;
+                };
+                while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                    streams.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Peers that refuse everything unprocessed get a request sent again once,
+/// on another of them, and no more: no loop between them, and what a
+/// refusal can cost (an amplification a hostile peer could cause) is one
+/// more stream per request.
+#[tokio::test]
+async fn peers_refusing_everything_see_each_request_at_most_twice() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    let streams = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for name in ["web-0", "web-1"] {
+        let peer = refusing_everything(streams.clone()).await;
+        scratch.endpoint(name, "web", peer, true);
+    }
+    let client = scratch
+        .proxy("client", control.addr("grpc"), None, &[])
+        .await;
+    let (outbound, web) = (client.addr("outbound"), authority("web", 8080));
+    for sent in 1..=3 {
+        let answer = crate::drain::post(outbound, &web, "/orders", false).await;
+        assert_eq!(answer.status, 502);
+        let error = answer.proxy_error().unwrap_or_default();
+        assert!(error.contains("refused the request unprocessed"), "{error}");
+        assert_eq!(
+            streams.load(std::sync::atomic::Ordering::SeqCst),
+            2 * sent,
+            "streams the peers saw after {sent} requests"
+        );
+    }
+}
