@@ -227,18 +227,22 @@ where
 #[cfg(test)]
 mod hostile_tests;
 
-/// A connection told to close finishes what is in flight for at most
-/// `limit`: HTTP/2's graceful GOAWAY waits for the client to answer a
-/// PING, and a client that never does (or never reads) would otherwise
-/// keep the connection, and its place under the cap, for good.
-async fn finish_within<F, E>(conn: F, limit: Duration) -> Result<(), E>
+/// A connection told to close finishes its requests in flight, however
+/// long they take (a drain has its own bound); once it has had none for
+/// `limit`, it is cut: HTTP/2's graceful GOAWAY waits for the client to
+/// answer a PING, and a client that never does (or never reads) would
+/// otherwise keep the connection, and its place under the cap, for good.
+async fn finish<F, E>(conn: F, in_flight: &InFlight, limit: Duration) -> Result<(), E>
 where
     F: Future<Output = Result<(), E>>,
     E: From<&'static str>,
 {
-    tokio::time::timeout(limit, conn)
-        .await
-        .unwrap_or_else(|_| Err("the client did not close within the drain timeout".into()))
+    tokio::select! {
+        result = conn => result,
+        _ = idle_for(in_flight, limit) => {
+            Err("the client did not finish closing the connection within the drain timeout".into())
+        }
+    }
 }
 
 /// Resolves once the connection has had no request in flight for `timeout`.
@@ -322,11 +326,11 @@ where
         _ = idle_for(&in_flight, limits.idle_timeout) => {
             limits.metrics.close_connection(direction, "idle");
             conn.as_mut().graceful_shutdown();
-            finish_within(conn, limits.drain_timeout).await
+            finish(conn, &in_flight, limits.drain_timeout).await
         }
         _ = draining => {
             conn.as_mut().graceful_shutdown();
-            finish_within(conn, limits.drain_timeout).await
+            finish(conn, &in_flight, limits.drain_timeout).await
         }
     };
     if let Err(e) = result {
