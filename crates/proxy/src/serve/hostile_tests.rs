@@ -25,6 +25,8 @@ enum Answer {
     Empty,
     /// 256 KiB: past a client's default flow-control window.
     Big,
+    /// [`panicky`]'s.
+    Panicky,
 }
 
 /// A listener for one client connection, served by `serve_http` with
@@ -55,6 +57,7 @@ async fn serve_one(
         match answer {
             Answer::Empty => serve_http(stream, empty_answer, conn).await,
             Answer::Big => serve_http(stream, big_answer, conn).await,
+            Answer::Panicky => serve_http(stream, panicky, conn).await,
         }
     };
     (addr, server)
@@ -297,4 +300,75 @@ async fn a_stuck_response_reset_by_its_client_is_let_go() {
     tokio::time::timeout(WAIT, async { tokio::join!(server, client) })
         .await
         .expect("the reset response is let go and the connection idles out");
+}
+
+/// Lets [`panicky`]'s slow requests answer.
+static RELEASE: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Panics on `/panic` (a bug in one request's handling); answers any
+/// other request once [`RELEASE`]d.
+async fn panicky<B>(req: http::Request<B>) -> http::Response<crate::http::Body> {
+    if req.uri().path() == "/panic" {
+        panic!("a bug in the handling of one request");
+    }
+    RELEASE.notified().await;
+    http::Response::new(crate::http::empty())
+}
+
+/// A request whose handling panics (a bug) fails alone: the other streams
+/// of its connection (for the inbound, every request in flight from one
+/// peer proxy) are still answered. The release build keeps panics
+/// unwinding for that.
+#[tokio::test]
+async fn a_panicking_request_fails_alone() {
+    use futures::FutureExt;
+    let (addr, server) = serve_one(ServeConfig::default(), WAIT, Answer::Panicky).await;
+    let server = std::panic::AssertUnwindSafe(server).catch_unwind();
+    let client = async {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut read, mut write) = stream.into_split();
+        let path = |p: &str| {
+            [
+                vec![0x82, 0x86, 0x04, p.len() as u8],
+                p.as_bytes().to_vec(),
+                vec![0x01, 0x01, b'a'],
+            ]
+            .concat()
+        };
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend(frame(0x4, 0, 0, &[]));
+        hello.extend(frame(HEADERS, END_STREAM_AND_HEADERS, 1, &path("/slow")));
+        hello.extend(frame(HEADERS, END_STREAM_AND_HEADERS, 3, &path("/panic")));
+        write.write_all(&hello).await.unwrap();
+        let mut seen = Vec::new();
+        // Until the panicking stream is reset.
+        loop {
+            let f = next_frame(&mut read).await;
+            seen.push(f);
+            match f {
+                Some((RST_STREAM, 3, _)) => break,
+                Some((GOAWAY, ..)) | None => panic!("the connection ended: {seen:?}"),
+                Some(_) => {}
+            }
+        }
+        RELEASE.notify_one();
+        loop {
+            let f = next_frame(&mut read).await;
+            seen.push(f);
+            match f {
+                Some((HEADERS, 1, _)) => break,
+                Some((GOAWAY, ..)) | None => panic!("the connection ended: {seen:?}"),
+                Some(_) => {}
+            }
+        }
+    };
+    let served = tokio::time::timeout(WAIT, async {
+        tokio::select! {
+            served = server => served.is_ok(),
+            () = client => true,
+        }
+    })
+    .await
+    .expect("the other stream is answered");
+    assert!(served, "a panic in one stream took its whole connection");
 }
