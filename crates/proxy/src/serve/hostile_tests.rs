@@ -253,15 +253,16 @@ async fn next_frame(read: &mut (impl AsyncReadExt + Unpin)) -> Option<(u8, u32, 
 /// A client that gives no flow-control window (SETTINGS_INITIAL_WINDOW_SIZE
 /// 0, no WINDOW_UPDATE) gets its response's HEADERS and no data; when it
 /// resets the stream, the response (and what it holds upstream) is let
-/// go: nothing is in flight any more, so the connection idles out
-/// (GOAWAY) as configured.
+/// go: with nothing in flight any more, the connection idles out and,
+/// this client answering no PING, is cut. Held, the response would keep
+/// it open.
 #[tokio::test]
 async fn a_stuck_response_reset_by_its_client_is_let_go() {
     let config = ServeConfig {
         idle_timeout: Duration::from_millis(100),
         ..ServeConfig::default()
     };
-    let (addr, server) = serve_one(config, WAIT, Answer::Big).await;
+    let (addr, server) = serve_one(config, Duration::from_millis(200), Answer::Big).await;
     let client = async {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut read, mut write) = stream.into_split();
@@ -269,37 +270,33 @@ async fn a_stuck_response_reset_by_its_client_is_let_go() {
         hello.extend(frame(0x4, 0, 0, &[0x00, 0x04, 0, 0, 0, 0]));
         hello.extend(frame(HEADERS, END_STREAM_AND_HEADERS, 1, &GET));
         write.write_all(&hello).await.unwrap();
+        // (On a loaded machine the idle GOAWAY may come first: the
+        // request, sent before it, is served all the same.)
         let mut seen = Vec::new();
         loop {
-            let f = next_frame(&mut read).await.expect("the response's HEADERS");
+            let f = next_frame(&mut read).await;
             seen.push(f);
-            assert_ne!(f.0, GOAWAY, "closed with the response in flight: {seen:?}");
-            if f.0 == HEADERS && f.1 == 1 {
-                break;
+            match f {
+                Some((HEADERS, 1, _)) => break,
+                None => panic!("closed with the response in flight: {seen:?}"),
+                Some(_) => {}
             }
         }
         write
             .write_all(&frame(RST_STREAM, 0, 1, &CANCEL.to_be_bytes()))
             .await
             .unwrap();
-        loop {
-            let f = next_frame(&mut read)
-                .await
-                .expect("a GOAWAY before the end");
-            seen.push(f);
-            if f.0 == GOAWAY {
-                assert_eq!(f.2, Some(0), "{seen:?}");
-                break;
-            }
+        while let Some(f) = next_frame(&mut read).await {
+            seen.push(Some(f));
         }
         assert!(
-            !seen.iter().any(|f| f.0 == 0x0 && f.1 == 1),
+            !seen.iter().flatten().any(|f| f.0 == 0x0 && f.1 == 1),
             "no DATA without a window: {seen:?}"
         );
     };
     tokio::time::timeout(WAIT, async { tokio::join!(server, client) })
         .await
-        .expect("the reset response is let go and the connection idles out");
+        .expect("the reset response is let go and the connection closes");
 }
 
 /// Lets [`panicky`]'s slow requests answer.
