@@ -19,7 +19,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 
 /// Sent first by an outbound proxy on an opaque connection to a peer proxy.
 pub const OPAQUE_PREFACE: &[u8] = b"tether-opaque/1\r\n";
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+pub(crate) const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// The longest HTTP/1 request line accepted (hyper's own limit on the
 /// whole head applies after it).
 pub const MAX_REQUEST_LINE: usize = 8 * 1024;

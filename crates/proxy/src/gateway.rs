@@ -111,7 +111,7 @@ fn serve_global<I>(io: I, outbound: Arc<Outbound>, conn: Conn) -> impl Future<Ou
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let svc = move |req: http::Request<hyper::body::Incoming>| {
+    let svc = move |req: http::Request<crate::serve::RequestBody>| {
         let outbound = outbound.clone();
         async move {
             let authority = crate::http::request_authority(&req).unwrap_or_default();

@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, Version};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use rustls::ServerConfig;
 use tether_admin::Shutdown;
 use tether_core::log_limit::LogLimit;
@@ -39,7 +38,7 @@ use crate::http::{
 };
 use crate::inbound_policy::{Client, Workload};
 use crate::metrics::{CountedBody, Hop, ProxyMetrics, Series};
-use crate::serve::{accept_loop, serve_http, Conn, ServeLimits};
+use crate::serve::{accept_loop, serve_http, Conn, RequestBody, ServeLimits};
 use crate::tls::{BoxedIo, Connector, TlsMode};
 
 /// How long a client may take to send its first bytes (and, on a
@@ -348,7 +347,11 @@ impl Inbound {
         self.refuse(&refusal, peer);
     }
 
-    async fn handle(&self, mut req: Request<Incoming>, peer_id: &PeerId) -> Response<CountedBody> {
+    async fn handle(
+        &self,
+        mut req: Request<RequestBody>,
+        peer_id: &PeerId,
+    ) -> Response<CountedBody> {
         let hop = &peer_id.hop;
         let start = Instant::now();
         let tapped = self.metrics.tap.request(&req);
@@ -655,11 +658,11 @@ struct LastNamed {
 
 /// A request body to send on: one that has ended already (most requests
 /// have no body) becomes an empty body, which boxing does not allocate.
-fn boxed_unless_empty(body: Incoming) -> crate::http::Body {
+fn boxed_unless_empty(body: RequestBody) -> crate::http::Body {
     if hyper::body::Body::is_end_stream(&body) {
         crate::http::empty()
     } else {
-        body.map_err(Into::into).boxed()
+        body.boxed()
     }
 }
 

@@ -62,6 +62,7 @@ pub mod discovery;
 pub mod errors;
 pub mod failfast;
 pub mod gateway;
+pub mod h2_stream;
 pub mod health;
 pub mod http;
 pub mod identity;

@@ -27,16 +27,21 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::{Frame, Incoming, SizeHint};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tether_admin::Shutdown;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::metrics::ProxyMetrics;
 
+mod h2_server;
+
 /// Concurrent HTTP/2 streams per client connection.
 const MAX_STREAMS: u32 = 100;
+/// The largest request head: an HTTP/1 head buffered whole, an HTTP/2
+/// header list.
+const MAX_HEADER_LIST_SIZE: u32 = 64 * 1024;
 
 /// File descriptors kept out of the connection cap's reach: the admin
 /// listener, discovery and identity streams, logs.
@@ -263,11 +268,49 @@ async fn idle_for(in_flight: &InFlight, timeout: Duration) {
     }
 }
 
-/// Serves HTTP/1 or HTTP/2 (detected from the preface) on one connection.
-pub async fn serve_http<I, S, Fut, B>(io: I, service: S, conn: Conn)
+/// A request's body, as the connection's server gave it: hyper's (HTTP/1)
+/// or a stream's read directly from h2 (HTTP/2). Not boxed: a request
+/// without a body (most) costs no allocation for it either way.
+pub enum RequestBody {
+    Http1(Incoming),
+    Http2(crate::h2_stream::RecvBody),
+}
+
+impl hyper::body::Body for RequestBody {
+    type Data = Bytes;
+    type Error = crate::http::BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, crate::http::BodyError>>> {
+        match self.get_mut() {
+            RequestBody::Http1(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
+            RequestBody::Http2(body) => Pin::new(body).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Http1(body) => body.is_end_stream(),
+            RequestBody::Http2(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RequestBody::Http1(body) => body.size_hint(),
+            RequestBody::Http2(body) => body.size_hint(),
+        }
+    }
+}
+
+/// Serves HTTP/1 (with hyper) or HTTP/2 (with h2, [`h2_server`]), told
+/// apart by the HTTP/2 preface, on one connection.
+pub async fn serve_http<I, S, Fut, B>(mut io: I, service: S, conn: Conn)
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    S: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    S: Fn(Request<RequestBody>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
     B: hyper::body::Body<Data = Bytes, Error = crate::http::BodyError> + Send + Unpin + 'static,
 {
@@ -284,56 +327,109 @@ where
     };
     let in_flight = Arc::new(InFlight::default());
     let tracker = in_flight.clone();
-    let svc = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+    // What every request goes through, whichever the protocol: its place
+    // in the connection's in-flight count, until its response body ends.
+    let start = move |mut req: Request<RequestBody>| {
         if crate::upgrade::wants_upgrade(req.headers()) {
             req.extensions_mut().insert(slot.clone());
         }
         let guard = InFlightGuard::new(&tracker);
-        // Boxed: hyper moves the request's future (into its dispatcher, an
-        // HTTP/2 stream's task); a pointer is cheaper to move than the
-        // state machine of a whole proxied request.
-        let fut = Box::pin(service(req));
-        async move {
-            let rsp = fut.await;
-            let (parts, inner) = rsp.into_parts();
-            let body = Tracked {
-                inner,
-                _guard: guard,
-            };
-            Ok::<_, Infallible>(Response::from_parts(parts, body))
-        }
-    });
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        .max_buf_size(64 * 1024);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(MAX_STREAMS)
-        .max_header_list_size(64 * 1024);
-    let conn = builder
-        .serve_connection_with_upgrades(TokioIo::new(io), svc)
-        .into_owned();
-    tokio::pin!(conn);
-    let draining = async {
-        let _ = drain.wait_for(|d| *d).await;
+        (service(req), guard)
     };
-    let result = tokio::select! {
-        result = conn.as_mut() => result,
-        _ = idle_for(&in_flight, limits.idle_timeout) => {
-            limits.metrics.close_connection(direction, "idle");
-            conn.as_mut().graceful_shutdown();
-            finish(conn, &in_flight, limits.drain_timeout).await
+    let closing = async {
+        tokio::select! {
+            _ = idle_for(&in_flight, limits.idle_timeout) => {
+                limits.metrics.close_connection(direction, "idle");
+            }
+            _ = drain.wait_for(|d| *d) => {}
         }
-        _ = draining => {
-            conn.as_mut().graceful_shutdown();
-            finish(conn, &in_flight, limits.drain_timeout).await
+    };
+    tokio::pin!(closing);
+    let (http2, read) = tokio::select! {
+        read = read_version(&mut io, limits.header_read_timeout) => match read {
+            Some(read) => read,
+            None => return,
+        },
+        _ = closing.as_mut() => return,
+    };
+    let io = crate::detect::PrefixedIo::new(read, io);
+    let result = if http2 {
+        let h2_limits = h2_server::Limits {
+            max_streams: MAX_STREAMS,
+            max_header_list_size: MAX_HEADER_LIST_SIZE,
+        };
+        let stream = move |req: Request<_>, reply| {
+            let (handling, guard) = start(req.map(RequestBody::Http2));
+            h2_server::respond(tracked(handling, guard), reply)
+        };
+        // Once told to close, what `finish` bounds for HTTP/1.
+        let cut_off = idle_for(&in_flight, limits.drain_timeout);
+        h2_server::serve(io, h2_limits, stream, closing, cut_off).await
+    } else {
+        let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let (handling, guard) = start(req.map(RequestBody::Http1));
+            // Boxed: hyper moves the request's future into its
+            // dispatcher; a pointer is cheaper to move than the state
+            // machine of a whole proxied request.
+            let handling = Box::pin(handling);
+            async move { Ok::<_, Infallible>(tracked(handling, guard).await) }
+        });
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            .max_buf_size(MAX_HEADER_LIST_SIZE as usize)
+            .serve_connection(TokioIo::new(io), svc)
+            .with_upgrades();
+        tokio::pin!(conn);
+        tokio::select! {
+            result = conn.as_mut() => result.map_err(|e| e.to_string()),
+            _ = closing => {
+                conn.as_mut().graceful_shutdown();
+                let finishing = async { conn.await.map_err(|e| e.to_string()) };
+                finish(finishing, &in_flight, limits.drain_timeout).await
+            }
         }
     };
     if let Err(e) = result {
         tracing::debug!(error = %e, "HTTP connection ended with an error");
     }
+}
+
+/// The response `handling` gives, its body holding `guard` until it ends.
+async fn tracked<F, B>(handling: F, guard: InFlightGuard) -> Response<Tracked<B>>
+where
+    F: Future<Output = Response<B>>,
+{
+    let (parts, inner) = handling.await.into_parts();
+    let body = Tracked {
+        inner,
+        _guard: guard,
+    };
+    Response::from_parts(parts, body)
+}
+
+/// Reads as far as needed to tell HTTP/2's preface from anything else
+/// (which hyper's HTTP/1 server then reads as a request): whether it is
+/// HTTP/2 and the bytes read, to be read again. `None` when the client
+/// closed, failed or stayed silent for `timeout`.
+async fn read_version<I: AsyncRead + Unpin>(
+    io: &mut I,
+    timeout: Duration,
+) -> Option<(bool, Bytes)> {
+    let preface = crate::detect::H2_PREFACE;
+    let mut buf = bytes::BytesMut::with_capacity(preface.len());
+    let reading = async {
+        while buf.len() < preface.len() && preface.starts_with(&buf) {
+            match io.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(_) => {}
+            }
+        }
+        true
+    };
+    match tokio::time::timeout(timeout, reading).await {
+        Ok(true) => {}
+        Ok(false) | Err(_) => return None,
+    }
+    Some((buf.starts_with(preface), buf.freeze()))
 }

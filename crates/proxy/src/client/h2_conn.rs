@@ -8,20 +8,21 @@
 //! the request is sent (a gRPC stream, an upload) is piped by a task of
 //! its own, with flow control; most requests have none.
 
-use std::future::{poll_fn, Future};
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderValue};
+use http::header::{self, HeaderValue};
 use http::{Method, Request, Response};
 use hyper::body::{Body as _, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::oneshot;
 
 use super::{SendError, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
+use crate::h2_stream::{bounded, send_body, RecvBody};
 use crate::http::{Body, BodyError};
 
 // hyper's HTTP/2 client defaults (hyper 1.x `proto/h2/client.rs`), kept
@@ -383,14 +384,13 @@ impl Sender {
                 SendError::failed(bounded(&e))
             }
         })?;
-        let remaining = content_length(rsp.headers());
-        Ok(rsp.map(|recv| H2Body {
-            recv,
-            remaining,
-            data_done: false,
+        let (parts, recv) = rsp.into_parts();
+        let body = H2Body {
+            body: RecvBody::new(recv, &parts.headers),
             _in_flight: in_flight,
             _pipe: pipe,
-        }))
+        };
+        Ok(Response::from_parts(parts, body))
     }
 }
 
@@ -414,27 +414,11 @@ fn refused(e: &h2::Error) -> bool {
         && (e.is_go_away() || (e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM)))
 }
 
-/// An h2 error's message, bounded: h2 shows a GOAWAY's debug data whole
-/// (the peer's bytes, up to a frame, escaped: 64 KiB), and the message
-/// goes to the client (`tether-proxy-error`, `grpc-message`) and the logs.
-fn bounded(e: &h2::Error) -> String {
-    tether_core::truncate::bounded_message(e)
-}
-
 fn has_payload_semantics(method: &Method) -> bool {
     !matches!(
         *method,
         Method::GET | Method::HEAD | Method::DELETE | Method::CONNECT
     )
-}
-
-fn content_length(headers: &HeaderMap) -> Option<u64> {
-    headers
-        .get(header::CONTENT_LENGTH)?
-        .to_str()
-        .ok()?
-        .parse()
-        .ok()
 }
 
 /// Resets the stream when the request is given up before its response
@@ -468,81 +452,10 @@ fn pipe(body: Body, mut stream: h2::SendStream<Bytes>) -> CancelOnDrop {
     CancelOnDrop(Some(cancel_tx))
 }
 
-/// Sends a body's frames as the peer's flow control allows. Fails with the
-/// reason to reset the stream with, or none when the stream is gone.
-async fn send_body(
-    mut body: Body,
-    stream: &mut h2::SendStream<Bytes>,
-) -> Result<(), Option<h2::Reason>> {
-    loop {
-        let frame = poll_fn(|cx| {
-            if stream.poll_reset(cx).is_ready() {
-                return Poll::Ready(None);
-            }
-            Pin::new(&mut body).poll_frame(cx).map(Some)
-        })
-        .await
-        .ok_or(None)?;
-        let frame = match frame {
-            None => return stream.send_data(Bytes::new(), true).map_err(|_| None),
-            Some(Err(e)) => {
-                tracing::debug!(error = %e, "request body failed; resetting its stream");
-                return Err(Some(h2::Reason::INTERNAL_ERROR));
-            }
-            Some(Ok(frame)) => frame,
-        };
-        let mut data = match frame.into_data() {
-            Ok(data) => data,
-            Err(frame) => {
-                if let Ok(trailers) = frame.into_trailers() {
-                    return stream.send_trailers(trailers).map_err(|_| None);
-                }
-                continue;
-            }
-        };
-        let end = body.is_end_stream();
-        if data.is_empty() {
-            // An empty frame (a peer's way to end its stream, often).
-            if end {
-                return stream.send_data(data, true).map_err(|_| None);
-            }
-            continue;
-        }
-        while !data.is_empty() {
-            stream.reserve_capacity(data.len());
-            let granted = loop {
-                let capacity = stream.capacity();
-                if capacity > 0 {
-                    break capacity;
-                }
-                poll_fn(|cx| {
-                    if stream.poll_reset(cx).is_ready() {
-                        return Poll::Ready(None);
-                    }
-                    stream.poll_capacity(cx)
-                })
-                .await
-                .and_then(Result::ok)
-                .ok_or(None)?;
-            };
-            let chunk = data.split_to(granted.min(data.len()));
-            stream
-                .send_data(chunk, end && data.is_empty())
-                .map_err(|_| None)?;
-        }
-        if end {
-            return Ok(());
-        }
-    }
-}
-
-/// A response body read from h2: gives back flow-control capacity as its
-/// data is taken, and ends with the trailers (gRPC's status).
+/// A response body read from h2, holding its request's place in flight
+/// (and the request body's pipe) until it is dropped.
 pub struct H2Body {
-    recv: h2::RecvStream,
-    /// Data still to come, when the response said how much.
-    remaining: Option<u64>,
-    data_done: bool,
+    body: RecvBody,
     _in_flight: InFlight,
     /// The request body's pipe, when it had one.
     _pipe: Option<CancelOnDrop>,
@@ -556,36 +469,15 @@ impl hyper::body::Body for H2Body {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        let this = &mut *self;
-        if !this.data_done {
-            match ready!(this.recv.poll_data(cx)) {
-                Some(Ok(data)) => {
-                    let _ = this.recv.flow_control().release_capacity(data.len());
-                    if let Some(remaining) = &mut this.remaining {
-                        *remaining = remaining.saturating_sub(data.len() as u64);
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                Some(Err(e)) => return Poll::Ready(Some(Err(bounded(&e).into()))),
-                None => this.data_done = true,
-            }
-        }
-        match ready!(this.recv.poll_trailers(cx)) {
-            Ok(Some(trailers)) => Poll::Ready(Some(Ok(Frame::trailers(trailers)))),
-            Ok(None) => Poll::Ready(None),
-            Err(e) => Poll::Ready(Some(Err(bounded(&e).into()))),
-        }
+        Pin::new(&mut self.body).poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.recv.is_end_stream()
+        self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self.remaining {
-            Some(remaining) => SizeHint::with_exact(remaining),
-            None => SizeHint::default(),
-        }
+        self.body.size_hint()
     }
 }
 

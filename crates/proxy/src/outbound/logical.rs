@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use http::{Method, Request, Response};
 use http_body_util::BodyExt;
-use hyper::body::{Body as _, Incoming};
+use hyper::body::Body as _;
 use tokio::sync::{oneshot, watch};
 
 use super::route::{RetryPlan, RouteTarget};
@@ -21,6 +21,7 @@ use crate::http::{
     ORIG_PROTO_HEADER,
 };
 use crate::metrics::{CountedBody, Hop};
+use crate::serve::RequestBody;
 
 /// Adds the default port and lowercases, so `Web.demo` and `web.demo:80`
 /// share one service. An authority already in that form (the usual case)
@@ -48,7 +49,7 @@ pub(super) fn normalize(authority: &str) -> Result<Cow<'_, str>, ProxyError> {
 impl Outbound {
     pub async fn handle(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<RequestBody>,
         pinned: Option<&str>,
     ) -> Response<CountedBody> {
         let start = Instant::now();
@@ -278,7 +279,7 @@ fn route_version<B>(req: &Request<B>) -> http::Version {
 /// The request with a body that says when it has been read to its end.
 /// A body that has ended already (most requests have none) is replaced by
 /// an empty one: nothing to wait for, nothing allocated.
-fn notify_when_sent(req: Request<Incoming>, start: Instant) -> (Request<Body>, Sent) {
+fn notify_when_sent(req: Request<RequestBody>, start: Instant) -> (Request<Body>, Sent) {
     if req.body().is_end_stream() {
         return (req.map(|_| crate::http::empty()), Sent::Already(start));
     }
@@ -295,7 +296,7 @@ fn notify_when_sent(req: Request<Incoming>, start: Instant) -> (Request<Body>, S
 }
 
 struct NotifyEnd {
-    inner: Incoming,
+    inner: RequestBody,
     sent: Option<oneshot::Sender<()>>,
 }
 
@@ -318,9 +319,7 @@ impl hyper::body::Body for NotifyEnd {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, crate::http::BodyError>>>
     {
-        let polled = std::pin::Pin::new(&mut self.inner)
-            .poll_frame(cx)
-            .map_err(Into::into);
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
             std::task::Poll::Ready(None | Some(Err(_))) => {
                 if let Some(tx) = self.sent.take() {
@@ -374,7 +373,8 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
             let (stream, _) = listener.accept().await.unwrap();
-            let svc = hyper::service::service_fn(move |req| {
+            let svc = hyper::service::service_fn(move |req: http::Request<_>| {
+                let req = req.map(crate::serve::RequestBody::Http1);
                 let size = std::mem::size_of_val(&outbound.handle(req, None));
                 async move {
                     Ok::<_, std::convert::Infallible>(http::Response::new(crate::http::full(

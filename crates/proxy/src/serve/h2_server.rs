@@ -1,0 +1,557 @@
+//! HTTP/2 served with the `h2` crate directly.
+//!
+//! hyper's HTTP/2 server spawns a task per stream, which polls the
+//! request's future (boxed by us, so that the move into the task is
+//! cheap) and then pipes the response body; its request bodies go through
+//! hyper's own body type. Here each stream's future (the request's
+//! handling, then its response body's piping) is polled inside the
+//! connection's own task, beside the connection: the runtime has one
+//! thread, so nothing runs less in parallel, and a stream costs one
+//! allocation (its node in [`FuturesUnordered`]) instead of a box and a
+//! task. Only the streams that were woken are polled.
+//!
+//! Kept from hyper's server, explicitly: its windows, frame size, send
+//! buffer and reset limits (hyper 1.x `proto/h2/server.rs`), the bounds
+//! the listener configured (concurrent streams, header list size), a
+//! client's RST_STREAM (or the connection's loss) dropping the request's
+//! future, connection-specific headers stripped from responses, `Date` on
+//! responses that lack one, `content-length` from a body of known size.
+//! No PING keep-alive: hyper's server had none configured. Extended
+//! CONNECT (`:protocol`) stays off, so h2 refuses it; a plain `CONNECT`
+//! reaches the service, which refuses it.
+
+use std::future::{poll_fn, Future};
+use std::panic::AssertUnwindSafe;
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+
+use bytes::Bytes;
+use futures::future::FutureExt;
+use futures::stream::{FuturesUnordered, StreamExt};
+use futures::task::AtomicWaker;
+use http::header::{self, HeaderValue};
+use http::{Request, Response};
+use hyper::body::Body;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::h2_stream::{bounded, send_body, RecvBody};
+
+// hyper's HTTP/2 server defaults (hyper 1.x `proto/h2/server.rs`), kept
+// as they were when hyper served these connections.
+const CONN_WINDOW: u32 = 1024 * 1024;
+const STREAM_WINDOW: u32 = 1024 * 1024;
+const MAX_FRAME_SIZE: u32 = 16 * 1024;
+const MAX_SEND_BUFFER: usize = 400 * 1024;
+/// Streams the peer may make this side reset for its errors before the
+/// connection is closed (a misbehaving peer).
+const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+
+/// The bounds the listener sets.
+pub(super) struct Limits {
+    pub max_streams: u32,
+    pub max_header_list_size: u32,
+}
+
+/// Serves HTTP/2 on `io` (the client's preface still to be read from it)
+/// until the client closes or, once `closing` resolves, the connection
+/// has finished its streams after a GOAWAY, or `cut_off` resolves first
+/// (a client that never finishes closing). `stream` makes the future of
+/// each stream the client opens. A stream whose future panics (a bug in
+/// one request's handling) is reset alone, as with a task per stream.
+pub(super) async fn serve<I, M, F>(
+    io: I,
+    limits: Limits,
+    mut stream: M,
+    closing: impl Future<Output = ()>,
+    cut_off: impl Future<Output = ()>,
+) -> Result<(), String>
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+    M: FnMut(Request<RecvBody>, h2::server::SendResponse<Bytes>) -> F,
+    F: Future<Output = ()>,
+{
+    let mut closing = pin!(closing);
+    let mut cut_off = pin!(cut_off);
+    // h2's defaults (h2 0.4) stand for the limits not named here: 20
+    // streams reset by the client before they are accepted (rapid reset),
+    // CONTINUATION frames bounded by the header list size, small DATA
+    // frames by a budget.
+    let handshake = h2::server::Builder::new()
+        .initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONN_WINDOW)
+        .max_frame_size(MAX_FRAME_SIZE)
+        .max_send_buffer_size(MAX_SEND_BUFFER)
+        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
+        .max_concurrent_streams(limits.max_streams)
+        .max_header_list_size(limits.max_header_list_size)
+        .handshake::<_, Bytes>(io);
+    let mut conn = tokio::select! {
+        conn = handshake => conn.map_err(|e| bounded(&e))?,
+        // Nothing in flight yet: nothing to finish.
+        _ = closing.as_mut() => return Ok(()),
+    };
+    let mut streams = FuturesUnordered::<futures::future::CatchUnwind<AssertUnwindSafe<F>>>::new();
+    let mut closed = false;
+    let wakes = Arc::new(Wakes::default());
+    let for_streams = Waker::from(Arc::new(FlagWaker {
+        wakes: wakes.clone(),
+        connection: false,
+    }));
+    let for_connection = Waker::from(Arc::new(FlagWaker {
+        wakes: wakes.clone(),
+        connection: true,
+    }));
+    poll_fn(|cx| {
+        wakes.task.register(cx.waker());
+        wakes.polling.store(true, Ordering::SeqCst);
+        let polled = loop {
+            wakes.streams.store(false, Ordering::SeqCst);
+            let mut streams_cx = Context::from_waker(&for_streams);
+            if !closed {
+                if closing.as_mut().poll(&mut streams_cx).is_ready() {
+                    conn.graceful_shutdown();
+                    closed = true;
+                    continue;
+                }
+            } else if cut_off.as_mut().poll(&mut streams_cx).is_ready() {
+                break Poll::Ready(Err(
+                    "the client did not finish closing the connection within the drain timeout"
+                        .into(),
+                ));
+            }
+            // The streams first: what they send goes out with the
+            // connection's poll just after.
+            while let Poll::Ready(Some(done)) = streams.poll_next_unpin(&mut streams_cx) {
+                if done.is_err() {
+                    // Its reply, dropped while unwinding, resets the
+                    // stream; the panic hook has told what happened.
+                    tracing::debug!("a request's handling panicked; its stream is reset");
+                }
+            }
+            // That poll handles whatever woke the connection until now
+            // (the streams' sends above wake it each): no wake-up of the
+            // task for it.
+            wakes.connection.store(false, Ordering::SeqCst);
+            match conn.poll_accept(&mut Context::from_waker(&for_connection)) {
+                Poll::Ready(Some(Ok(accepted))) => {
+                    let (req, reply): (Request<h2::RecvStream>, _) = accepted;
+                    let (parts, recv) = req.into_parts();
+                    let body = RecvBody::new(recv, &parts.headers);
+                    let serving = stream(Request::from_parts(parts, body), reply);
+                    streams.push(AssertUnwindSafe(serving).catch_unwind());
+                }
+                Poll::Ready(Some(Err(e))) => break Poll::Ready(Err(bounded(&e))),
+                // Closed, by the client or after the GOAWAY once the
+                // streams were done; a stream still here can send nothing
+                // more.
+                Poll::Ready(None) => break Poll::Ready(Ok(())),
+                Poll::Pending => break Poll::Pending,
+            }
+        };
+        wakes.polling.store(false, Ordering::SeqCst);
+        // Woken while polling (a stream that yields, an event after its
+        // part was polled): polled again, after the runtime's other tasks.
+        if polled.is_pending()
+            && (wakes.streams.load(Ordering::SeqCst) || wakes.connection.load(Ordering::SeqCst))
+        {
+            cx.waker().wake_by_ref();
+        }
+        polled
+    })
+    .await
+}
+
+/// The wake-ups of a connection's task, by what they are for. A stream's
+/// send wakes the connection (h2 wakes the task that polls it, which is
+/// this one, and the connection is polled right after the streams): a
+/// wake-up that arrives while the task is polling only marks what it is
+/// for, and the task polls itself again only when needed, instead of once
+/// more per response.
+#[derive(Default)]
+struct Wakes {
+    task: AtomicWaker,
+    polling: AtomicBool,
+    streams: AtomicBool,
+    connection: AtomicBool,
+}
+
+struct FlagWaker {
+    wakes: Arc<Wakes>,
+    connection: bool,
+}
+
+impl Wake for FlagWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let flag = if self.connection {
+            &self.wakes.connection
+        } else {
+            &self.wakes.streams
+        };
+        // SeqCst with the task's own stores and loads: either the task
+        // sees the flag once its poll ends, or this sees it not polling.
+        flag.store(true, Ordering::SeqCst);
+        if !self.wakes.polling.load(Ordering::SeqCst) {
+            self.wakes.task.wake();
+        }
+    }
+}
+
+/// One stream: the response `handling` gives, sent on `reply` with its
+/// body. A client that resets the stream first cancels the handling (it
+/// is dropped, as hyper drops it).
+pub(super) async fn respond<F, B>(handling: F, mut reply: h2::server::SendResponse<Bytes>)
+where
+    F: Future<Output = Response<B>>,
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    let rsp = {
+        let mut handling = pin!(handling);
+        poll_fn(|cx| {
+            if let Poll::Ready(rsp) = handling.as_mut().poll(cx) {
+                return Poll::Ready(Some(rsp));
+            }
+            reply.poll_reset(cx).map(|_| None)
+        })
+        .await
+    };
+    let Some(rsp) = rsp else {
+        return;
+    };
+    let (mut parts, body) = rsp.into_parts();
+    // h2 refuses to send any of them.
+    crate::http::strip_hop_by_hop_http2(&mut parts.headers);
+    if !parts.headers.contains_key(header::DATE) {
+        parts.headers.insert(header::DATE, date::now());
+    }
+    let end = body.is_end_stream();
+    if !end {
+        if let Some(len) = body.size_hint().exact() {
+            parts
+                .headers
+                .entry(header::CONTENT_LENGTH)
+                .or_insert_with(|| HeaderValue::from(len));
+        }
+    }
+    let mut send = match reply.send_response(Response::from_parts(parts, ()), end) {
+        Ok(send) => send,
+        Err(e) => {
+            tracing::debug!(error = %bounded(&e), "HTTP/2 response not sent");
+            reply.send_reset(h2::Reason::INTERNAL_ERROR);
+            return;
+        }
+    };
+    if end {
+        return;
+    }
+    if let Err(Some(reason)) = send_body(body, &mut send).await {
+        send.send_reset(reason);
+    }
+}
+
+/// The `Date` header of responses that come without one (a proxy that
+/// forwards such a response adds it, RFC 9110 §6.6.1), made once a
+/// second per thread, as hyper does.
+mod date {
+    use std::cell::RefCell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    use http::HeaderValue;
+
+    thread_local! {
+        static CACHED: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
+    }
+
+    pub(super) fn now() -> HeaderValue {
+        let now = SystemTime::now();
+        let second = now
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_secs());
+        CACHED.with(|cached| {
+            let mut cached = cached.borrow_mut();
+            match &*cached {
+                Some((at, value)) if *at == second => value.clone(),
+                _ => {
+                    let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(
+                        httpdate::fmt_http_date(now),
+                    ))
+                    .expect("an HTTP date is a valid header value");
+                    *cached = Some((second, value.clone()));
+                    value
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use http_body_util::{BodyExt, StreamBody};
+    use hyper::body::Frame;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::sync::{oneshot, watch, Notify};
+
+    use super::super::{serve_http, Conn, RequestBody, ServeConfig, ServeLimits};
+    use super::*;
+    use crate::http::BodyError;
+    use crate::metrics::ProxyMetrics;
+
+    /// Bounds every wait on the server: far past anything a loaded machine
+    /// takes, only reached when the awaited event never comes.
+    const WAIT: Duration = Duration::from_secs(20);
+
+    async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
+        tokio::time::timeout(WAIT, f)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: not within {WAIT:?}"))
+    }
+
+    /// A listener serving `svc` as the proxy's listeners do; the sender
+    /// drains its connections.
+    async fn listen<S, Fut, B>(svc: S) -> (SocketAddr, watch::Sender<bool>)
+    where
+        S: Fn(Request<RequestBody>) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Response<B>> + Send + 'static,
+        B: Body<Data = Bytes, Error = BodyError> + Send + Unpin + 'static,
+    {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (drain_tx, drain) = watch::channel(false);
+        let config = ServeConfig {
+            max_connections: Some(16),
+            ..ServeConfig::default()
+        };
+        let limits = ServeLimits::new(&config, WAIT, ProxyMetrics::default());
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let conn = Conn {
+                    drain: drain.clone(),
+                    _permit: limits.connections.clone().try_acquire_owned().unwrap(),
+                    limits: limits.clone(),
+                    direction: "test",
+                };
+                tokio::spawn(serve_http(stream, svc.clone(), conn));
+            }
+        });
+        (addr, drain_tx)
+    }
+
+    /// An HTTP/2 client connection, and its end.
+    async fn connect(
+        addr: SocketAddr,
+    ) -> (
+        h2::client::SendRequest<Bytes>,
+        tokio::task::JoinHandle<Result<(), h2::Error>>,
+    ) {
+        let io = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, conn) = h2::client::handshake(io).await.unwrap();
+        (send, tokio::spawn(conn))
+    }
+
+    fn get() -> Request<()> {
+        Request::get("http://test.example/").body(()).unwrap()
+    }
+
+    /// A request body bigger than both windows, with trailers, echoed as
+    /// it is read: each side's flow control must give the window back for
+    /// the other to finish, and trailers cross both ways.
+    #[tokio::test]
+    async fn bodies_past_the_window_and_trailers_cross_both_ways() {
+        let (addr, _drain) = listen(|req: Request<RequestBody>| async move {
+            assert!(matches!(req.body(), RequestBody::Http2(_)));
+            Response::new(req.into_body())
+        })
+        .await;
+        let (send, _conn) = connect(addr).await;
+        let mut send = within("ready", send.ready()).await.unwrap();
+        let (rsp, mut stream) = send.send_request(get(), false).unwrap();
+        let data = Bytes::from((0..3 * STREAM_WINDOW).map(|i| i as u8).collect::<Vec<_>>());
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let frames = [
+            Ok::<_, BodyError>(Frame::data(data.clone())),
+            Ok(Frame::trailers(trailers.clone())),
+        ];
+        let body = StreamBody::new(futures::stream::iter(frames));
+        let sending = tokio::spawn(async move { send_body(body, &mut stream).await.is_ok() });
+        let rsp = within("response", rsp).await.unwrap();
+        let (parts, recv) = rsp.into_parts();
+        let echoed = within("echo", RecvBody::new(recv, &parts.headers).collect())
+            .await
+            .unwrap();
+        assert!(sending.await.unwrap(), "request body sent");
+        assert_eq!(echoed.trailers(), Some(&trailers));
+        assert!(echoed.to_bytes() == data, "the body came back whole");
+    }
+
+    /// A request whose HEADERS ended the stream reaches the service with
+    /// a body already at its end; a response known empty goes out as
+    /// HEADERS with END_STREAM, with a `Date`.
+    #[tokio::test]
+    async fn no_body_either_way_is_headers_with_end_stream() {
+        let (addr, _drain) = listen(|req: Request<RequestBody>| async move {
+            let ended = req.body().is_end_stream();
+            let mut rsp = Response::new(crate::http::empty());
+            *rsp.status_mut() = if ended {
+                http::StatusCode::NO_CONTENT
+            } else {
+                http::StatusCode::IM_A_TEAPOT
+            };
+            rsp
+        })
+        .await;
+        let (send, _conn) = connect(addr).await;
+        let mut send = within("ready", send.ready()).await.unwrap();
+        let (rsp, _) = send.send_request(get(), true).unwrap();
+        let rsp = within("response", rsp).await.unwrap();
+        assert_eq!(rsp.status(), http::StatusCode::NO_CONTENT);
+        assert!(rsp.body().is_end_stream(), "END_STREAM on the HEADERS");
+        assert!(rsp.headers().contains_key(header::DATE));
+    }
+
+    /// A client that resets its stream cancels the request: the service's
+    /// future is dropped (the proxied request with it), not left running.
+    #[tokio::test]
+    async fn a_client_reset_drops_the_request() {
+        struct OnDrop(Option<oneshot::Sender<()>>);
+        impl Drop for OnDrop {
+            fn drop(&mut self) {
+                let _ = self.0.take().unwrap().send(());
+            }
+        }
+        let (started_tx, started) = tokio::sync::mpsc::unbounded_channel();
+        let (addr, _drain) = listen(move |_req: Request<RequestBody>| {
+            let (dropped_tx, dropped) = oneshot::channel();
+            let _ = started_tx.send(dropped);
+            let guard = OnDrop(Some(dropped_tx));
+            async move {
+                let _guard = guard;
+                std::future::pending::<Response<crate::http::Body>>().await
+            }
+        })
+        .await;
+        let mut started = started;
+        let (send, _conn) = connect(addr).await;
+        let mut send = within("ready", send.ready()).await.unwrap();
+        let (_rsp, mut stream) = send.send_request(get(), false).unwrap();
+        let dropped = within("request served", started.recv()).await.unwrap();
+        stream.send_reset(h2::Reason::CANCEL);
+        within("the request dropped", dropped).await.unwrap();
+    }
+
+    /// Draining: the client is told to go (GOAWAY), the request in flight
+    /// is answered in full, then the connection closes.
+    #[tokio::test]
+    async fn a_drained_connection_finishes_its_requests_then_closes() {
+        let release = Arc::new(Notify::new());
+        let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+        let (addr, drain) = listen({
+            let release = release.clone();
+            move |_req: Request<RequestBody>| {
+                let release = release.clone();
+                let _ = started_tx.send(());
+                async move {
+                    release.notified().await;
+                    Response::new(crate::http::full("done"))
+                }
+            }
+        })
+        .await;
+        let io = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (send, mut conn) = h2::client::handshake(io).await.unwrap();
+        let mut ping_pong = conn.ping_pong().unwrap();
+        let conn = tokio::spawn(conn);
+        let mut send = within("ready", send.ready()).await.unwrap();
+        let (rsp, _) = send.send_request(get(), true).unwrap();
+        within("request served", started.recv()).await.unwrap();
+        drain.send(true).unwrap();
+        // The GOAWAY reaches the client while the request is in flight
+        // (after it, the client opens no stream); each PING answered is
+        // a round trip in which it could have come.
+        let told_to_go = async {
+            while send.clone().ready().await.is_ok() {
+                ping_pong.ping(h2::Ping::opaque()).await.unwrap();
+            }
+        };
+        within("GOAWAY", told_to_go).await;
+        release.notify_one();
+        let rsp = within("response", rsp).await.unwrap();
+        let (parts, recv) = rsp.into_parts();
+        let body = within("body", RecvBody::new(recv, &parts.headers).collect())
+            .await
+            .unwrap();
+        assert_eq!(body.to_bytes(), "done");
+        // Closed by the server: this side still holds it.
+        let _ = within("connection closed", conn).await.unwrap();
+        drop(send);
+    }
+
+    /// A header list past the limit is refused without reaching the
+    /// service, and the connection serves on; a header block that does
+    /// not decode closes the connection with an error.
+    #[tokio::test]
+    async fn oversized_and_garbage_header_blocks_are_refused() {
+        let served = Arc::new(AtomicUsize::new(0));
+        let (addr, _drain) = listen({
+            let served = served.clone();
+            move |_req: Request<RequestBody>| {
+                served.fetch_add(1, Ordering::Relaxed);
+                async { Response::new(crate::http::empty()) }
+            }
+        })
+        .await;
+        let (send, _conn) = connect(addr).await;
+        let mut send = within("ready", send.ready()).await.unwrap();
+        let mut big = get();
+        let value = "x".repeat(MAX_HEADER_LIST_SIZE_FOR_TEST + 1);
+        big.headers_mut()
+            .insert("x-big", HeaderValue::from_str(&value).unwrap());
+        let (rsp, _) = send.send_request(big, true).unwrap();
+        match within("oversized answered", rsp).await {
+            Ok(rsp) => assert_eq!(rsp.status(), 431),
+            Err(e) => assert_eq!(e.reason(), Some(h2::Reason::REFUSED_STREAM), "{e}"),
+        }
+        let mut send = within("ready", send.ready()).await.unwrap();
+        let (rsp, _) = send.send_request(get(), true).unwrap();
+        assert_eq!(within("next", rsp).await.unwrap().status(), 200);
+        assert_eq!(served.load(Ordering::Relaxed), 1);
+
+        let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
+        raw.write_all(crate::detect::H2_PREFACE).await.unwrap();
+        raw.write_all(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]).await.unwrap();
+        // HEADERS, END_HEADERS | END_STREAM, stream 1: an index past
+        // every table.
+        raw.write_all(&[0, 0, 4, 0x1, 0x5, 0, 0, 0, 1, 0xff, 0xff, 0xff, 0x7f])
+            .await
+            .unwrap();
+        let goaway = within("GOAWAY", async {
+            loop {
+                let mut head = [0; 9];
+                raw.read_exact(&mut head).await.unwrap();
+                let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                let mut payload = vec![0; len];
+                raw.read_exact(&mut payload).await.unwrap();
+                if head[3] == 0x7 {
+                    return payload;
+                }
+            }
+        })
+        .await;
+        let code = u32::from_be_bytes(goaway[4..8].try_into().unwrap());
+        assert_ne!(h2::Reason::from(code), h2::Reason::NO_ERROR);
+        assert_eq!(served.load(Ordering::Relaxed), 1);
+    }
+
+    const MAX_HEADER_LIST_SIZE_FOR_TEST: usize = super::super::MAX_HEADER_LIST_SIZE as usize;
+}
