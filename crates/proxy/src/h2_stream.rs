@@ -78,10 +78,13 @@ impl Body for RecvBody {
 /// Sends a body's frames as the peer's flow control allows, ending the
 /// stream with its last frame. Fails with the reason to reset the stream
 /// with, or none when the stream is gone (the peer reset it, the
-/// connection ended).
+/// connection ended). With `stall`, a peer that gives no window for that
+/// long, data waiting, gets the stream reset (CANCEL): what the body holds
+/// (a connection to the app, say) is not held for a peer that never reads.
 pub async fn send_body<B>(
     mut body: B,
     stream: &mut h2::SendStream<Bytes>,
+    stall: Option<std::time::Duration>,
 ) -> Result<(), Option<h2::Reason>>
 where
     B: Body<Data = Bytes> + Unpin,
@@ -128,15 +131,20 @@ where
                 if capacity > 0 {
                     break capacity;
                 }
-                poll_fn(|cx| {
+                let window = poll_fn(|cx| {
                     if stream.poll_reset(cx).is_ready() {
                         return Poll::Ready(None);
                     }
                     stream.poll_capacity(cx)
-                })
-                .await
-                .and_then(Result::ok)
-                .ok_or(None)?;
+                });
+                let window = match stall {
+                    Some(limit) => tokio::time::timeout(limit, window).await.map_err(|_| {
+                        tracing::debug!(?limit, "the peer gave no window; resetting its stream");
+                        Some(h2::Reason::CANCEL)
+                    })?,
+                    None => window.await,
+                };
+                window.and_then(Result::ok).ok_or(None)?;
             };
             let chunk = data.split_to(granted.min(data.len()));
             stream

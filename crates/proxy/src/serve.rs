@@ -358,9 +358,13 @@ where
             max_streams: MAX_STREAMS,
             max_header_list_size: MAX_HEADER_LIST_SIZE,
         };
+        // A response the client gives no window for as long as a
+        // connection may idle is dropped, with what it holds upstream: an
+        // app connection from a pool all clients share.
+        let stall = limits.idle_timeout;
         let stream = move |req: Request<_>, reply| {
             let (handling, guard) = start(req.map(RequestBody::Http2));
-            h2_server::respond(tracked(handling, guard), reply)
+            h2_server::respond(tracked(handling, guard), reply, stall)
         };
         // Once told to close, what `finish` bounds for HTTP/1.
         let cut_off = idle_for(&in_flight, limits.drain_timeout);

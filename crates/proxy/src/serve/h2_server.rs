@@ -204,9 +204,13 @@ impl Wake for FlagWaker {
 
 /// One stream: the response `handling` gives, sent on `reply` with its
 /// body. A client that resets the stream first cancels the handling (it
-/// is dropped, as hyper drops it).
-pub(super) async fn respond<F, B>(handling: F, mut reply: h2::server::SendResponse<Bytes>)
-where
+/// is dropped, as hyper drops it); one that gives the body no window for
+/// `stall` gets the stream reset.
+pub(super) async fn respond<F, B>(
+    handling: F,
+    mut reply: h2::server::SendResponse<Bytes>,
+    stall: std::time::Duration,
+) where
     F: Future<Output = Response<B>>,
     B: Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
@@ -250,7 +254,7 @@ where
     if end {
         return;
     }
-    if let Err(Some(reason)) = send_body(body, &mut send).await {
+    if let Err(Some(reason)) = send_body(body, &mut send, Some(stall)).await {
         send.send_reset(reason);
     }
 }
@@ -384,7 +388,7 @@ mod tests {
             Ok(Frame::trailers(trailers.clone())),
         ];
         let body = StreamBody::new(futures::stream::iter(frames));
-        let sending = tokio::spawn(async move { send_body(body, &mut stream).await.is_ok() });
+        let sending = tokio::spawn(async move { send_body(body, &mut stream, None).await.is_ok() });
         let rsp = within("response", rsp).await.unwrap();
         let (parts, recv) = rsp.into_parts();
         let echoed = within("echo", RecvBody::new(recv, &parts.headers).collect())

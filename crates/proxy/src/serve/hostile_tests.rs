@@ -30,14 +30,18 @@ enum Answer {
 }
 
 /// A listener for one client connection, served by `serve_http` with
-/// `config` and `drain_timeout`: its address, and the serving, to be run
+/// `config` and `drain_timeout`: its address, the serving, to be run
 /// beside the client in the test's task (spawned, `serve_http` trips
-/// rustc's higher-ranked inference).
+/// rustc's higher-ranked inference), and the sender that drains it.
 async fn serve_one(
     config: ServeConfig,
     drain_timeout: Duration,
     answer: Answer,
-) -> (std::net::SocketAddr, impl std::future::Future<Output = ()>) {
+) -> (
+    std::net::SocketAddr,
+    impl std::future::Future<Output = ()>,
+    watch::Sender<bool>,
+) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let config = ServeConfig {
@@ -45,8 +49,8 @@ async fn serve_one(
         ..config
     };
     let limits = ServeLimits::new(&config, drain_timeout, ProxyMetrics::default());
+    let (drain_tx, drain) = watch::channel(false);
     let server = async move {
-        let (_drain_tx, drain) = watch::channel(false);
         let (stream, _) = listener.accept().await.unwrap();
         let conn = Conn {
             drain,
@@ -60,7 +64,7 @@ async fn serve_one(
             Answer::Panicky => serve_http(stream, panicky, conn).await,
         }
     };
-    (addr, server)
+    (addr, server, drain_tx)
 }
 
 async fn big_answer<B>(_req: http::Request<B>) -> http::Response<crate::http::Body> {
@@ -78,7 +82,7 @@ async fn an_idle_http2_client_that_ignores_the_goaway_is_closed() {
         idle_timeout: Duration::from_millis(100),
         ..ServeConfig::default()
     };
-    let (addr, server) = serve_one(config, Duration::from_millis(500), Answer::Empty).await;
+    let (addr, server, _drain) = serve_one(config, Duration::from_millis(500), Answer::Empty).await;
     let client = async {
         let mut client = TcpStream::connect(addr).await.unwrap();
         // The preface, then an empty SETTINGS frame.
@@ -129,7 +133,7 @@ fn literal(name: &str, value: &str) -> Vec<u8> {
 /// the frames read (type, stream, and the error code of a RST_STREAM or
 /// GOAWAY).
 async fn frames_answering(sent: Vec<u8>, last: u32) -> Vec<(u8, u32, Option<u32>)> {
-    let (addr, server) = serve_one(ServeConfig::default(), WAIT, Answer::Empty).await;
+    let (addr, server, _drain) = serve_one(ServeConfig::default(), WAIT, Answer::Empty).await;
     let client = async {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut read, mut write) = stream.into_split();
@@ -253,16 +257,17 @@ async fn next_frame(read: &mut (impl AsyncReadExt + Unpin)) -> Option<(u8, u32, 
 /// A client that gives no flow-control window (SETTINGS_INITIAL_WINDOW_SIZE
 /// 0, no WINDOW_UPDATE) gets its response's HEADERS and no data; when it
 /// resets the stream, the response (and what it holds upstream) is let
-/// go: with nothing in flight any more, the connection idles out and,
-/// this client answering no PING, is cut. Held, the response would keep
-/// it open.
+/// go: drained, the connection has nothing in flight any more and, this
+/// client answering no PING, is cut. Held, the response would keep it
+/// open (past the test's wait, the idle timeout being the default).
 #[tokio::test]
 async fn a_stuck_response_reset_by_its_client_is_let_go() {
-    let config = ServeConfig {
-        idle_timeout: Duration::from_millis(100),
-        ..ServeConfig::default()
-    };
-    let (addr, server) = serve_one(config, Duration::from_millis(200), Answer::Big).await;
+    let (addr, server, drain) = serve_one(
+        ServeConfig::default(),
+        Duration::from_millis(200),
+        Answer::Big,
+    )
+    .await;
     let client = async {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut read, mut write) = stream.into_split();
@@ -270,8 +275,6 @@ async fn a_stuck_response_reset_by_its_client_is_let_go() {
         hello.extend(frame(0x4, 0, 0, &[0x00, 0x04, 0, 0, 0, 0]));
         hello.extend(frame(HEADERS, END_STREAM_AND_HEADERS, 1, &GET));
         write.write_all(&hello).await.unwrap();
-        // (On a loaded machine the idle GOAWAY may come first: the
-        // request, sent before it, is served all the same.)
         let mut seen = Vec::new();
         loop {
             let f = next_frame(&mut read).await;
@@ -286,6 +289,7 @@ async fn a_stuck_response_reset_by_its_client_is_let_go() {
             .write_all(&frame(RST_STREAM, 0, 1, &CANCEL.to_be_bytes()))
             .await
             .unwrap();
+        drain.send(true).unwrap();
         while let Some(f) = next_frame(&mut read).await {
             seen.push(Some(f));
         }
@@ -297,6 +301,41 @@ async fn a_stuck_response_reset_by_its_client_is_let_go() {
     tokio::time::timeout(WAIT, async { tokio::join!(server, client) })
         .await
         .expect("the reset response is let go and the connection closes");
+}
+
+/// A client that opens streams and gives their responses no window (and
+/// never resets them) would hold each response, and the app connection
+/// behind it, for good: any pod could pin every connection of the
+/// inbound's pool to its app with one connection of 100 such streams. A
+/// response that gets no window for the idle timeout is reset (CANCEL) and
+/// let go, so the connection then idles out and is cut.
+#[tokio::test]
+async fn a_response_given_no_window_is_reset_after_the_idle_timeout() {
+    let config = ServeConfig {
+        idle_timeout: Duration::from_millis(100),
+        ..ServeConfig::default()
+    };
+    let (addr, server, _drain) = serve_one(config, Duration::from_millis(200), Answer::Big).await;
+    let client = async {
+        let stream = TcpStream::connect(addr).await.unwrap();
+        let (mut read, mut write) = stream.into_split();
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend(frame(0x4, 0, 0, &[0x00, 0x04, 0, 0, 0, 0]));
+        hello.extend(frame(HEADERS, END_STREAM_AND_HEADERS, 1, &GET));
+        write.write_all(&hello).await.unwrap();
+        let mut seen = Vec::new();
+        while let Some(f) = next_frame(&mut read).await {
+            seen.push(f);
+        }
+        assert!(
+            seen.contains(&(RST_STREAM, 1, Some(CANCEL))),
+            "the stuck response is reset: {seen:?}"
+        );
+        drop(write);
+    };
+    tokio::time::timeout(WAIT, async { tokio::join!(server, client) })
+        .await
+        .expect("the stuck response is let go and the connection closes");
 }
 
 /// Lets [`panicky`]'s slow requests answer.
@@ -319,7 +358,7 @@ async fn panicky<B>(req: http::Request<B>) -> http::Response<crate::http::Body> 
 #[tokio::test]
 async fn a_panicking_request_fails_alone() {
     use futures::FutureExt;
-    let (addr, server) = serve_one(ServeConfig::default(), WAIT, Answer::Panicky).await;
+    let (addr, server, _drain) = serve_one(ServeConfig::default(), WAIT, Answer::Panicky).await;
     let server = std::panic::AssertUnwindSafe(server).catch_unwind();
     let client = async {
         let stream = TcpStream::connect(addr).await.unwrap();
