@@ -286,6 +286,67 @@ async fn refusing_peer() -> SocketAddr {
     addr
 }
 
+/// A peer that allows no stream at the moment
+/// (SETTINGS_MAX_CONCURRENT_STREAMS 0: a pause RFC 9113 allows) fails the
+/// request with an error that names it, and is not ejected as if it could
+/// not be reached: it stays in the balancer for when it lifts the pause.
+#[tokio::test]
+async fn a_peer_that_pauses_its_streams_is_named_not_ejected() {
+    let scratch = Scratch::new();
+    scratch.service("web", 8080, false);
+    let control = scratch.control().await;
+    scratch.endpoint("web-0", "web", paused_peer().await, true);
+    // A request h2 queued just before the peer's SETTINGS arrived waits
+    // for a stream that never frees (a 504): not what this test is about,
+    // so that wait is short.
+    let client = scratch
+        .proxy(
+            "client",
+            control.addr("grpc"),
+            None,
+            &["--response-timeout", "2"],
+        )
+        .await;
+    let (outbound, web) = (client.addr("outbound"), authority("web", 8080));
+
+    // Bounded by attempts, not time: the first ones may race the peer's
+    // SETTINGS (refused unprocessed, or the wait above).
+    let mut named = None;
+    for i in 0..50 {
+        let answer = post(outbound, &web, &format!("/{i}"), false).await;
+        let error = answer.proxy_error().unwrap_or_default();
+        if error.contains("SETTINGS_MAX_CONCURRENT_STREAMS is 0") {
+            named = Some(answer.status.as_u16());
+            break;
+        }
+    }
+    assert_eq!(named, Some(502), "no answer named the paused peer");
+    let text = metrics(client.addr("admin")).await;
+    let ejected = metric_value(&text, "tether_proxy_endpoint_ejections_total", &[]);
+    assert_eq!(ejected, 0.0, "{text}");
+}
+
+/// An HTTP/2 peer whose SETTINGS allow no concurrent stream.
+async fn paused_peer() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::Builder::new()
+                    .max_concurrent_streams(0)
+                    .handshake::<_, bytes::Bytes>(stream)
+                    .await
+                else {
+                    return;
+                };
+                while conn.accept().await.is_some() {}
+            });
+        }
+    });
+    addr
+}
+
 /// A POST over a fresh HTTP/1 connection: without a body, or with one
 /// streamed in chunks (no length known ahead).
 pub(crate) async fn post(

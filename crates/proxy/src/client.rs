@@ -39,6 +39,24 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(1);
 
 mod h2_conn;
 
+/// Why no connection to an endpoint could take a request now.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// Connecting, the handshake or the connection failed.
+    #[error("{0}")]
+    Failed(String),
+    /// Connected, but the peer allows no stream at the moment: a pause it
+    /// may lift (RFC 9113 §5.1.2), not a failed endpoint.
+    #[error("{}", h2_conn::NO_STREAMS)]
+    NoStreams,
+}
+
+impl From<String> for ConnectError {
+    fn from(reason: String) -> Self {
+        Self::Failed(reason)
+    }
+}
+
 /// An HTTP/2 connection, and whether it is TLS.
 type H2 = (h2_conn::H2, bool);
 type H1Pool = Arc<Mutex<Vec<(http1::SendRequest<Body>, bool)>>>;
@@ -292,9 +310,9 @@ impl EndpointClient {
             .await
     }
 
-    pub async fn connection(&self, proto: Proto) -> Result<Connection, String> {
+    pub async fn connection(&self, proto: Proto) -> Result<Connection, ConnectError> {
         match proto {
-            Proto::Http1 => self.h1().await,
+            Proto::Http1 => Ok(self.h1().await?),
             Proto::Http2 => {
                 let (h2, tls) = self.h2().await?;
                 let sender = match h2.sender().await {
@@ -765,7 +783,10 @@ mod tests {
         .await
         .expect("the peer's SETTINGS are read");
         assert!(
-            error.contains("SETTINGS_MAX_CONCURRENT_STREAMS is 0"),
+            matches!(error, ConnectError::NoStreams)
+                && error
+                    .to_string()
+                    .contains("SETTINGS_MAX_CONCURRENT_STREAMS is 0"),
             "{error}"
         );
     }

@@ -417,9 +417,9 @@ impl Inbound {
                     addr: self.app,
                     reason: e.to_string(),
                 }),
-            Err(reason) => Err(ProxyError::App {
+            Err(e) => Err(ProxyError::App {
                 addr: self.app,
-                reason,
+                reason: e.to_string(),
             }),
         };
         let result = result.and_then(|rsp| {

@@ -21,7 +21,7 @@ use hyper::body::{Body as _, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::oneshot;
 
-use super::{SendError, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
+use super::{ConnectError, SendError, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
 use crate::h2_stream::{bounded, send_body, RecvBody};
 use crate::http::{Body, BodyError};
 
@@ -75,16 +75,16 @@ impl H2 {
     /// may open a stream. A connection closed, or told by its peer to go
     /// away (GOAWAY: a drain), is marked closed so the next request
     /// connects anew; nothing of the request has been sent.
-    pub(super) async fn sender(&self) -> Result<Sender, String> {
+    pub(super) async fn sender(&self) -> Result<Sender, ConnectError> {
         let send = self.send.clone().ready().await.map_err(|e| {
             self.shared.closed.store(true, Ordering::Release);
-            bounded(&e)
+            ConnectError::Failed(bounded(&e))
         })?;
         // h2 would hold the request until a stream frees up, which never
         // happens: its response timeout would be all the client hears.
         // The connection stays (the peer may raise the limit again).
         if send.current_max_send_streams() == 0 {
-            return Err(NO_STREAMS.into());
+            return Err(ConnectError::NoStreams);
         }
         Ok(Sender {
             send,

@@ -14,7 +14,7 @@ use http::{Request, Response, Version};
 use super::service::Service;
 use super::{Outbound, CONNECT_ATTEMPTS};
 use crate::balance::{pick, EndpointHandle, Endpoints};
-use crate::client::{EndpointClient, SendError};
+use crate::client::{ConnectError, EndpointClient, SendError};
 use crate::errors::ProxyError;
 use crate::http::{
     rewrite_for_hop, strip_hop_by_hop, strip_hop_by_hop_response, strip_mesh_asserted, Body,
@@ -84,7 +84,16 @@ impl Outbound {
             let in_flight = ep.start();
             let conn = match ep.client.connection(proto).await {
                 Ok(c) => c,
-                Err(reason) => {
+                // Paused, not failed: another endpoint gets the request,
+                // this one stays in the balancer (nothing was sent).
+                Err(ConnectError::NoStreams) => {
+                    last_error = ProxyError::Connect {
+                        addr,
+                        reason: ConnectError::NoStreams.to_string(),
+                    };
+                    continue;
+                }
+                Err(ConnectError::Failed(reason)) => {
                     tracing::debug!(%addr, %reason, "connect failed; trying another endpoint");
                     ep.mark_failed();
                     last_error = ProxyError::Connect { addr, reason };
@@ -191,7 +200,10 @@ impl Outbound {
         let conn = client
             .connection(proto)
             .await
-            .map_err(|reason| ProxyError::Connect { addr, reason })?;
+            .map_err(|e| ProxyError::Connect {
+                addr,
+                reason: e.to_string(),
+            })?;
         let tls = conn.tls;
         let req = rewrite_for_hop(parts, body, &HopAuthority::new(authority), proto, orig);
         let rsp = conn.send(req).await.map_err(|e| ProxyError::Upstream {
