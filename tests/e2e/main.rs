@@ -32,6 +32,7 @@ mod retries;
 mod rotation;
 mod routes;
 mod routes_api;
+mod stalled_reader;
 mod stat;
 mod tap;
 mod threads;

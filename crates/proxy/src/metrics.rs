@@ -71,7 +71,8 @@ pub struct DirectionLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ClosedLabels {
     pub direction: String,
-    /// `connection_limit` (closed at accept) or `idle`.
+    /// `connection_limit` (closed at accept), `idle` or `write_stall` (an
+    /// HTTP/1 client that read nothing for the idle timeout).
     pub reason: String,
 }
 

@@ -11,6 +11,9 @@
 //! - **Idle connections** (no request in flight) are closed after
 //!   `--idle-timeout`; HTTP/1 headers must arrive within
 //!   `--header-read-timeout`.
+//! - **Clients that stop reading**: an HTTP/2 response given no window,
+//!   an HTTP/1 connection whose writes make no progress, for
+//!   `--idle-timeout`, is reset or closed, letting go of what feeds it.
 //! - **Shutdown**: a listener stops accepting, asks its HTTP connections to
 //!   finish (HTTP/2 GOAWAY, HTTP/1 close after the current response), and
 //!   waits for them up to the drain timeout.
@@ -36,6 +39,7 @@ use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use crate::metrics::ProxyMetrics;
 
 mod h2_server;
+mod write_stall;
 
 /// Concurrent HTTP/2 streams per client connection.
 const MAX_STREAMS: u32 = 100;
@@ -378,6 +382,9 @@ where
             let handling = Box::pin(handling);
             async move { Ok::<_, Infallible>(tracked(handling, guard).await) }
         });
+        // hyper's HTTP/1 server would wait for a client that never reads
+        // for good, holding the response and the app connection behind it.
+        let io = write_stall::WriteStall::new(io, limits.idle_timeout);
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_read_timeout)
@@ -385,17 +392,40 @@ where
             .serve_connection(TokioIo::new(io), svc)
             .with_upgrades();
         tokio::pin!(conn);
+        let ended = |e: hyper::Error| {
+            if write_stall::is_write_stall(&e) {
+                stalled_writes(&limits, direction);
+            }
+            e.to_string()
+        };
         tokio::select! {
-            result = conn.as_mut() => result.map_err(|e| e.to_string()),
+            result = conn.as_mut() => result.map_err(ended),
             _ = closing => {
                 conn.as_mut().graceful_shutdown();
-                let finishing = async { conn.await.map_err(|e| e.to_string()) };
+                let finishing = async { conn.await.map_err(ended) };
                 finish(finishing, &in_flight, limits.drain_timeout).await
             }
         }
     };
     if let Err(e) = result {
         tracing::debug!(error = %e, "HTTP connection ended with an error");
+    }
+}
+
+static STALL_LOG: tether_core::log_limit::LogLimit =
+    tether_core::log_limit::LogLimit::new(Duration::from_secs(5));
+
+/// Counts (and logs, at a bounded rate) an HTTP/1 connection cut because
+/// its client stopped reading.
+fn stalled_writes(limits: &ServeLimits, direction: &'static str) {
+    limits.metrics.close_connection(direction, "write_stall");
+    if let Some(suppressed) = STALL_LOG.allow() {
+        tracing::warn!(
+            listener = direction,
+            idle_timeout = ?limits.idle_timeout,
+            suppressed,
+            "connection closed: its client read none of a response for --idle-timeout"
+        );
     }
 }
 
