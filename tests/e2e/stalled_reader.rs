@@ -11,6 +11,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http_body_util::Either;
 use hyper::body::Frame;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
@@ -57,7 +58,11 @@ impl Drop for Endless {
     }
 }
 
-/// An HTTP/1 app answering every request with an [`Endless`] body.
+/// The path the app answers at once, to see a route work.
+const PROBE: &str = "/probe";
+
+/// An HTTP/1 and HTTP/2 app answering every request but [`PROBE`] with an
+/// [`Endless`] body.
 async fn endless_app() -> (SocketAddr, Arc<Responses>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -66,17 +71,26 @@ async fn endless_app() -> (SocketAddr, Arc<Responses>) {
     tokio::spawn(async move {
         while let Ok((conn, _)) = listener.accept().await {
             let seen = seen.clone();
-            let svc = hyper::service::service_fn(move |_req| {
+            let svc = hyper::service::service_fn(move |req: http::Request<_>| {
                 let seen = seen.clone();
                 async move {
-                    seen.begun.fetch_add(1, Ordering::SeqCst);
-                    Ok::<_, std::convert::Infallible>(http::Response::new(Endless(seen)))
+                    let body = if req.uri().path() == PROBE {
+                        Either::Left(http_body_util::Full::new(Bytes::from_static(b"ok")))
+                    } else {
+                        seen.begun.fetch_add(1, Ordering::SeqCst);
+                        Either::Right(Endless(seen))
+                    };
+                    Ok::<_, std::convert::Infallible>(http::Response::new(body))
                 }
             });
-            tokio::spawn(
-                hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(conn), svc),
-            );
+            tokio::spawn(async move {
+                let auto = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                );
+                let _ = auto
+                    .serve_connection(hyper_util::rt::TokioIo::new(conn), svc)
+                    .await;
+            });
         }
     });
     (addr, responses)
@@ -98,6 +112,52 @@ async fn never_read<I: AsyncRead + AsyncWrite + Unpin>(mut io: I, authority: &st
     io
 }
 
+/// An HTTP/2 frame: 9-byte header (length, type, flags, stream), payload.
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    f.extend([kind, flags]);
+    f.extend(stream.to_be_bytes());
+    f.extend(payload);
+    f
+}
+
+/// An HTTP/2 client that gives the proxy all the window it may (stream and
+/// connection) and asks `GET http://web/`, written frame by frame: a
+/// client library would read the socket. The proxy is held back by TCP
+/// alone.
+async fn never_read_h2(mut io: tokio::net::TcpStream) -> tokio::net::TcpStream {
+    const MAX_WINDOW: u32 = (1 << 31) - 1;
+    let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    // SETTINGS_INITIAL_WINDOW_SIZE.
+    let mut settings = vec![0x00, 0x04];
+    settings.extend(MAX_WINDOW.to_be_bytes());
+    bytes.extend(frame(0x4, 0, 0, &settings));
+    // WINDOW_UPDATE of the connection, from its initial 64 KiB - 1.
+    bytes.extend(frame(0x8, 0, 0, &(MAX_WINDOW - 65_535).to_be_bytes()));
+    // HEADERS, END_STREAM | END_HEADERS: indexed `:method GET`, `:scheme
+    // http`, `:path /`, then `:authority web` as a literal.
+    let get = [0x82, 0x86, 0x84, 0x01, 0x03, b'w', b'e', b'b'];
+    bytes.extend(frame(0x1, 0x5, 1, &get));
+    io.write_all(&bytes).await.unwrap();
+    io
+}
+
+/// The gateway's name for `edge`.
+const EDGE: &str = "edge-global.global:8080";
+
+/// A TLS connection to `addr` (verified as `server`) with a small window.
+async fn tls_connect(
+    addr: SocketAddr,
+    tls: Arc<rustls::ClientConfig>,
+    server: &str,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let name = rustls::pki_types::ServerName::try_from(server.to_string()).unwrap();
+    tokio_rustls::TlsConnector::from(tls)
+        .connect(name, small_window(addr).await)
+        .await
+        .expect("mTLS handshake")
+}
+
 fn id(name: &str) -> String {
     format!("{name}.test.serviceaccount.identity.cluster.local")
 }
@@ -111,28 +171,65 @@ async fn a_client_that_never_reads_its_responses_holds_no_app_connection_past_th
     let (app, responses) = endless_app().await;
     // The outbound reaches the app directly; the inbound fronts it.
     scratch.endpoint("web-0", "web", app, false);
+    let idle_secs = IDLE_TIMEOUT_SECS.to_string();
+    let idle_timeout = ["--idle-timeout", &idle_secs];
     let mut args = scratch.identity_args(&ca, &id("web"), &ca);
-    args.extend(["--idle-timeout".into(), IDLE_TIMEOUT_SECS.to_string()]);
+    args.extend(idle_timeout.map(String::from));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let proxy = scratch
         .proxy("proxy", control.addr("grpc"), Some(app), &args)
         .await;
     wait_ready(proxy.addr("admin")).await;
     let web = authority("web", 8080);
+    // The gateway reaches the app over mTLS through the inbound of a
+    // second sidecar, one whose idle timeout outlasts the test: a Tether
+    // inbound resets an HTTP/2 stream whose reader stalls for its idle
+    // timeout, which would let go of the app's response however the
+    // gateway fared.
+    let mut edge_args = scratch.identity_args(&ca, &id("web"), &ca);
+    edge_args.extend(["--idle-timeout".into(), (4 * WAIT.as_secs()).to_string()]);
+    let edge_args: Vec<&str> = edge_args.iter().map(String::as_str).collect();
+    let edge_proxy = scratch
+        .proxy("edge-proxy", control.addr("grpc"), Some(app), &edge_args)
+        .await;
+    scratch.write(
+        "edge.yaml",
+        "kind: Service\nname: edge\nnamespace: test\nports: [{port: 8080}]\nglobal_id: edge-global\n",
+    );
+    scratch.write(
+        "edge-0.yaml",
+        &format!(
+            "kind: Endpoints\nservice: edge\nnamespace: test\nendpoints: [{{address: \"{}\", identity: {}}}]\n",
+            edge_proxy.addr("inbound"),
+            id("web")
+        ),
+    );
+    let gateway_process = scratch
+        .gateway(control.addr("grpc"), &ca, &id("gateway"), &idle_timeout)
+        .await;
+    let gateway = gateway_process.addr("gateway");
+    let tls = certified_client_tls(control.addr("grpc"), &ca, &id("client")).await;
+    let routed = || async {
+        let answer = tls_get_path(gateway, tls.clone(), &id("gateway"), EDGE, PROBE).await;
+        answer.is_ok_and(|a| a.status == 200)
+    };
+    assert!(
+        eventually(WAIT, routed).await,
+        "the gateway never routed to edge"
+    );
 
     // One such client per listener that serves HTTP/1: the outbound, the
-    // inbound in plaintext and over mTLS.
+    // inbound in plaintext and over mTLS, the gateway.
     let outbound = never_read(small_window(proxy.addr("outbound")).await, &web).await;
     let inbound = never_read(small_window(proxy.addr("inbound")).await, "web").await;
-    let tls = certified_client_tls(control.addr("grpc"), &ca, &id("mallory")).await;
-    let name = rustls::pki_types::ServerName::try_from(id("web")).unwrap();
-    let tcp = small_window(proxy.addr("inbound")).await;
-    let mtls = tokio_rustls::TlsConnector::from(tls)
-        .connect(name, tcp)
-        .await
-        .expect("mTLS handshake with the inbound");
+    let mtls = tls_connect(proxy.addr("inbound"), tls.clone(), &id("web")).await;
     let mtls = never_read(mtls, "web").await;
-    let clients = 3;
+    let through_gateway = tls_connect(gateway, tls, &id("gateway")).await;
+    let through_gateway = never_read(through_gateway, EDGE).await;
+    // HTTP/2 is bounded per stream (a response that gets no window for the
+    // idle timeout is reset): the same holds when TCP is what stops it.
+    let h2 = never_read_h2(small_window(proxy.addr("inbound")).await).await;
+    let clients = 5;
 
     assert!(
         eventually(WAIT, || async {
@@ -151,24 +248,34 @@ async fn a_client_that_never_reads_its_responses_holds_no_app_connection_past_th
          past --idle-timeout {IDLE_TIMEOUT_SECS} s",
         clients - responses.released.load(Ordering::SeqCst)
     );
-    // The proxy says why it closed them.
-    let admin = proxy.addr("admin");
-    let closed = |direction: &'static str, expected: f64| async move {
-        eventually(WAIT, || async {
+    // The proxy says why it closed them (HTTP/2's stream was reset, its
+    // connection kept).
+    let (admin, gateway_admin) = (proxy.addr("admin"), gateway_process.addr("admin"));
+    for (admin, direction, connections) in [
+        (admin, "outbound", 1.0),
+        (admin, "inbound", 2.0),
+        (gateway_admin, "gateway", 1.0),
+    ] {
+        let labels = [("direction", direction), ("reason", "write_stall")];
+        let counted = || async {
             let m = metrics(admin).await;
-            let labels = [("direction", direction), ("reason", "write_stall")];
-            metric_value(&m, "tether_proxy_connections_closed_total", &labels) == expected
-        })
-        .await
-    };
-    assert!(closed("outbound", 1.0).await, "{}", metrics(admin).await);
-    assert!(closed("inbound", 2.0).await, "{}", metrics(admin).await);
-    assert!(
+            metric_value(&m, "tether_proxy_connections_closed_total", &labels) == connections
+        };
+        assert!(
+            eventually(WAIT, counted).await,
+            "{direction}: {}",
+            metrics(admin).await
+        );
+    }
+    let warned = || async {
         scratch
             .read_log("proxy")
-            .contains("its client read none of a response"),
+            .contains("its client read none of a response")
+    };
+    assert!(
+        eventually(WAIT, warned).await,
         "{}",
         scratch.read_log("proxy")
     );
-    drop((outbound, inbound, mtls));
+    drop((outbound, inbound, mtls, h2, through_gateway));
 }

@@ -249,6 +249,37 @@ impl Scratch {
         self.spawn_exe(exe, name, &args, expect).await
     }
 
+    /// A gateway admitting the `cluster.local` trust domain, certified as
+    /// `identity` from `ca`, with `extra` flags, once it is ready.
+    pub async fn gateway(
+        &self,
+        control: SocketAddr,
+        ca: &Path,
+        identity: &str,
+        extra: &[&str],
+    ) -> Process {
+        let control = control.to_string();
+        let mut args: Vec<String> = [
+            "gateway",
+            "--control",
+            &control,
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--trust-domain",
+            "cluster.local",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(self.identity_args(ca, identity, ca));
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let gateway = self.spawn("gateway", &args, &["gateway", "admin"]).await;
+        wait_ready(gateway.addr("admin")).await;
+        gateway
+    }
+
     pub async fn demo_app(&self, replica: &str, latency_ms: u32) -> Process {
         let latency = latency_ms.to_string();
         self.spawn(
