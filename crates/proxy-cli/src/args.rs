@@ -38,7 +38,9 @@ pub struct ServeArgs {
     /// Seconds a client may take to send a request's HTTP/1 headers.
     #[arg(long, default_value = "10", value_parser = parse_positive_secs)]
     pub header_read_timeout: Duration,
-    /// Seconds a client connection may stay open with no request in flight.
+    /// Seconds a client connection may stay open with no request in flight;
+    /// also how long a response may wait for a client that reads none of it
+    /// (the HTTP/1 connection is closed, the HTTP/2 stream reset).
     #[arg(long, default_value = "60", value_parser = parse_positive_secs)]
     pub idle_timeout: Duration,
     /// Seconds an outbound request may wait for response headers, all
