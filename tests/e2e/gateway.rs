@@ -67,34 +67,16 @@ impl GatewayMesh {
     /// A gateway admitting clients of `trust_domain`, once it holds its
     /// certificate.
     async fn gateway(&self, name: &str, trust_domain: &str) -> Process {
-        let control = self.control.addr("grpc").to_string();
-        let mut args: Vec<String> = [
-            "gateway",
-            "--control",
-            &control,
-            "--listen",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--trust-domain",
-            trust_domain,
-        ]
-        .map(String::from)
-        .to_vec();
-        args.extend(
-            self.scratch
-                .identity_args(&self.ca, &id("gateway"), &self.ca),
-        );
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let gateway = self.scratch.spawn(name, &args, &["gateway", "admin"]).await;
-        assert!(
-            eventually(Duration::from_secs(10), || async {
-                ready_body(gateway.addr("admin")).await.0 == 200
-            })
-            .await,
-            "the gateway never got its certificate"
-        );
-        gateway
+        self.scratch
+            .gateway(
+                name,
+                self.control.addr("grpc"),
+                &self.ca,
+                &id("gateway"),
+                trust_domain,
+                &[],
+            )
+            .await
     }
 
     async fn client_tls(&self) -> Arc<rustls::ClientConfig> {

@@ -205,7 +205,14 @@ async fn a_client_that_never_reads_its_responses_holds_no_app_connection_past_th
         ),
     );
     let gateway_process = scratch
-        .gateway(control.addr("grpc"), &ca, &id("gateway"), &idle_timeout)
+        .gateway(
+            "gateway",
+            control.addr("grpc"),
+            &ca,
+            &id("gateway"),
+            "cluster.local",
+            &idle_timeout,
+        )
         .await;
     let gateway = gateway_process.addr("gateway");
     let tls = certified_client_tls(control.addr("grpc"), &ca, &id("client")).await;

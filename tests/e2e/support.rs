@@ -249,13 +249,16 @@ impl Scratch {
         self.spawn_exe(exe, name, &args, expect).await
     }
 
-    /// A gateway admitting the `cluster.local` trust domain, certified as
-    /// `identity` from `ca`, with `extra` flags, once it is ready.
+    /// A gateway named `name` admitting clients of `trust_domain`, certified
+    /// as `identity` from `ca`, with `extra` flags, once it is ready (holds
+    /// its certificate).
     pub async fn gateway(
         &self,
+        name: &str,
         control: SocketAddr,
         ca: &Path,
         identity: &str,
+        trust_domain: &str,
         extra: &[&str],
     ) -> Process {
         let control = control.to_string();
@@ -268,14 +271,14 @@ impl Scratch {
             "--admin",
             "127.0.0.1:0",
             "--trust-domain",
-            "cluster.local",
+            trust_domain,
         ]
         .map(String::from)
         .to_vec();
         args.extend(self.identity_args(ca, identity, ca));
         args.extend(extra.iter().map(|a| a.to_string()));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let gateway = self.spawn("gateway", &args, &["gateway", "admin"]).await;
+        let gateway = self.spawn(name, &args, &["gateway", "admin"]).await;
         wait_ready(gateway.addr("admin")).await;
         gateway
     }

@@ -255,30 +255,17 @@ async fn websocket_through_the_gateway() {
         mesh,
         server: _server,
     } = ChatMesh::start().await;
-    let control = mesh.control.addr("grpc").to_string();
-    let mut args: Vec<String> = [
-        "gateway",
-        "--control",
-        &control,
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-        "--trust-domain",
-        "cluster.local",
-    ]
-    .map(String::from)
-    .to_vec();
-    args.extend(
-        mesh.scratch
-            .identity_args(&mesh.ca, &id("gateway"), &mesh.ca),
-    );
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let gateway = mesh
         .scratch
-        .spawn("gateway", &args, &["gateway", "admin"])
+        .gateway(
+            "gateway",
+            mesh.control.addr("grpc"),
+            &mesh.ca,
+            &id("gateway"),
+            "cluster.local",
+            &[],
+        )
         .await;
-    wait_ready(gateway.addr("admin")).await;
     // Another cluster's proxy: mTLS with a mesh certificate, the global id.
     let tls: Arc<rustls::ClientConfig> =
         certified_client_tls(mesh.control.addr("grpc"), &mesh.ca, &id("remote")).await;
