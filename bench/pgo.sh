@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
 # Builds the sidecar with profile-guided optimisation (PGO) on top of the
-# release-lto profile: an instrumented tether-proxy carries the proxy-cost
+# release-lto profile, then lays its machine code out again with BOLT from a
+# second profile: an instrumented tether-proxy carries the proxy-cost
 # benchmark's traffic (bench/proxy-latency.sh: HTTP/1.1 and gRPC apps
 # through plaintext and mTLS pairs, HTTP/2 between the proxies, at 1k and
 # 5k req/s and at full speed), LLVM merges what it counted, and the
-# sidecar is built again from that profile. Result: target/pgo/tether-proxy.
+# sidecar is built again from that profile (target/pgo/tether-proxy-pgo).
+# BOLT then instruments that binary, the same traffic runs through it, and
+# BOLT moves hot blocks and functions together and cold ones out of the way
+# (target/pgo/tether-proxy, the result). `--no-bolt` stops after PGO.
 # Measure it against the plain LTO build in one run with
 #   target/release/proxy-latency --tether-proxy target/pgo/tether-proxy \
 #     --compare target/release-lto/tether-proxy
 # Needs llvm-profdata matching rustc's LLVM: rustup's llvm-tools component,
-# added here when missing. Both builds use target directories of their own
+# added here when missing; and llvm-bolt (Debian's bolt-<LLVM major>, installed
+# here when missing). Both builds use target directories of their own
 # (target/pgo-generate, target/pgo-use): RUSTFLAGS differ, and sharing one
 # would rebuild everything each time. From scratch: ~25 min per build on a
-# 2-core machine.
+# 2-core machine; BOLT itself takes seconds.
 set -euo pipefail
+bolt=1
+case "${1:-}" in
+  --no-bolt) bolt=0 ;;
+  "") ;;
+  *) echo "usage: bench/pgo.sh [--no-bolt]" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 root=$PWD
 host=$(rustc -vV | sed -n 's/^host: //p')
@@ -40,16 +51,22 @@ echo "pgo: building the instrumented sidecar (target/pgo-generate)..." >&2
 RUSTFLAGS="-Cprofile-generate=$raw" CARGO_TARGET_DIR="$root/target/pgo-generate" \
   cargo build --profile release-lto -q -p tether-proxy-cli --target "$host"
 
-rm -rf "$raw"
 # HTTP/1.1 apps (nginx behind, the HAProxy comparison's traffic) and gRPC
 # apps (HTTP/2 on both edges): a path left out of training is laid out as
 # cold code, so each kind of traffic the sidecar carries is in the profile.
-for protocol in http1 grpc; do
-  echo "pgo: training run, $protocol (bench/proxy-latency, 1 repetition)..." >&2
-  target/release/proxy-latency --tether target/release/tether \
-    --tether-proxy "target/pgo-generate/$host/release-lto/tether-proxy" \
-    --protocol "$protocol" --reps 1 --seconds 3 >"$root/target/pgo/training-$protocol.txt"
-done
+# The bench tells a tether-proxy binary by its file name.
+train() {
+  local binary=$1 stage=$2
+  for protocol in http1 grpc; do
+    echo "pgo: $stage training run, $protocol (bench/proxy-latency, 1 repetition)..." >&2
+    target/release/proxy-latency --tether target/release/tether \
+      --tether-proxy "$binary" --protocol "$protocol" --reps 1 --seconds 3 \
+      >"$root/target/pgo/training-$stage-$protocol.txt"
+  done
+}
+
+rm -rf "$raw"
+train "target/pgo-generate/$host/release-lto/tether-proxy" pgo
 shopt -s nullglob
 profiles=("$raw"/*.profraw)
 [ ${#profiles[@]} -gt 0 ] || { echo "pgo: the training run wrote no profile under $raw" >&2; exit 1; }
@@ -57,7 +74,52 @@ profiles=("$raw"/*.profraw)
 echo "pgo: merged ${#profiles[@]} profiles into $merged" >&2
 
 echo "pgo: building the optimised sidecar (target/pgo-use)..." >&2
+# --emit-relocs keeps the link's relocations in the binary: BOLT needs them to
+# move functions. Passed to the final link only (cargo rustc), so the
+# dependencies' build fingerprints stay the same.
 RUSTFLAGS="-Cprofile-use=$merged" CARGO_TARGET_DIR="$root/target/pgo-use" \
-  cargo build --profile release-lto -q -p tether-proxy-cli --target "$host"
-cp "target/pgo-use/$host/release-lto/tether-proxy" target/pgo/tether-proxy
-echo "pgo: built target/pgo/tether-proxy" >&2
+  cargo rustc --profile release-lto -q -p tether-proxy-cli --bin tether-proxy --target "$host" \
+  -- -Clink-arg=-Wl,--emit-relocs
+pgo_binary="$root/target/pgo/tether-proxy-pgo"
+cp "target/pgo-use/$host/release-lto/tether-proxy" "$pgo_binary"
+if [ "$bolt" = 0 ]; then
+  cp "$pgo_binary" target/pgo/tether-proxy
+  echo "pgo: built target/pgo/tether-proxy (PGO, no BOLT)" >&2
+  exit 0
+fi
+
+llvm_major=$(rustc -vV | sed -n 's/^LLVM version: \([0-9]*\).*/\1/p')
+bolt_dir=/usr/lib/llvm-$llvm_major/bin
+if [ ! -x "$bolt_dir/llvm-bolt" ]; then
+  echo "pgo: llvm-bolt $llvm_major is missing: apt-get install bolt-$llvm_major" >&2
+  apt-get install -y -q "bolt-$llvm_major" >/dev/null || {
+    apt-get update -q >/dev/null && apt-get install -y -q "bolt-$llvm_major" >/dev/null
+  }
+fi
+[ -x "$bolt_dir/llvm-bolt" ] || { echo "pgo: no llvm-bolt under $bolt_dir" >&2; exit 1; }
+
+# BOLT's instrumented binary writes its counts when it exits; every proxy
+# of the training runs writes its own file (-append-pid).
+bolt_raw="$root/target/pgo/bolt-raw"
+bolt_merged="$root/target/pgo/tether-proxy.fdata"
+instrumented="$root/target/pgo/bolt-instrumented/tether-proxy"
+rm -rf "$bolt_raw" && mkdir -p "$bolt_raw" "$(dirname "$instrumented")"
+echo "pgo: instrumenting the PGO sidecar with BOLT..." >&2
+"$bolt_dir/llvm-bolt" "$pgo_binary" -o "$instrumented" -instrument \
+  -instrumentation-file="$bolt_raw/tether-proxy" -instrumentation-file-append-pid \
+  >"$root/target/pgo/bolt-instrument.log" 2>&1 \
+  || { tail -5 "$root/target/pgo/bolt-instrument.log" >&2; exit 1; }
+train "$instrumented" bolt
+profiles=("$bolt_raw"/*.fdata)
+[ ${#profiles[@]} -gt 0 ] || { echo "pgo: the BOLT training run wrote no profile under $bolt_raw" >&2; exit 1; }
+"$bolt_dir/merge-fdata" "${profiles[@]}" >"$bolt_merged" 2>/dev/null
+echo "pgo: merged ${#profiles[@]} BOLT profiles into $bolt_merged" >&2
+# Hot blocks in profile order (ext-tsp), functions called together placed
+# together (cdsort), cold blocks moved to .text.cold. The debug sections are
+# dropped (symbols stay, so backtraces still name functions);
+# target/pgo/tether-proxy-pgo keeps them.
+"$bolt_dir/llvm-bolt" "$pgo_binary" -o target/pgo/tether-proxy -data="$bolt_merged" \
+  -reorder-blocks=ext-tsp -reorder-functions=cdsort -split-functions -split-all-cold \
+  -split-eh -icf -use-gnu-stack -dyno-stats >"$root/target/pgo/bolt-optimise.log" 2>&1 \
+  || { tail -5 "$root/target/pgo/bolt-optimise.log" >&2; exit 1; }
+echo "pgo: built target/pgo/tether-proxy (PGO + BOLT; PGO only: target/pgo/tether-proxy-pgo)" >&2
