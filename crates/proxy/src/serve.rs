@@ -114,6 +114,9 @@ pub struct Conn {
     drain: watch::Receiver<bool>,
     limits: ServeLimits,
     direction: &'static str,
+    /// The accepted socket, owned by the stream handed over with this:
+    /// [`write_stall`] reads its send queue.
+    socket: Option<std::os::fd::RawFd>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -151,6 +154,7 @@ pub async fn accept_loop<H, F>(
             drain: drain_rx.clone(),
             limits: limits.clone(),
             direction: name,
+            socket: Some(std::os::fd::AsRawFd::as_raw_fd(&stream)),
             _permit: permit,
         };
         tokio::spawn(handler(stream, peer, conn));
@@ -322,6 +326,7 @@ where
         mut drain,
         limits,
         direction,
+        socket,
         _permit,
     } = conn;
     // An upgraded connection outlives this one and keeps its place.
@@ -384,7 +389,7 @@ where
         });
         // hyper's HTTP/1 server would wait for a client that never reads
         // for good, holding the response and the app connection behind it.
-        let io = write_stall::WriteStall::new(io, limits.idle_timeout);
+        let io = write_stall::WriteStall::new(io, limits.idle_timeout, socket);
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_read_timeout)

@@ -344,6 +344,7 @@ mod tests {
                     _permit: limits.connections.clone().try_acquire_owned().unwrap(),
                     limits: limits.clone(),
                     direction: "test",
+                    socket: None,
                 };
                 tokio::spawn(serve_http(stream, svc.clone(), conn));
             }

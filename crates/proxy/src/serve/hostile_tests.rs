@@ -57,6 +57,7 @@ async fn serve_one(
             _permit: limits.connections.clone().try_acquire_owned().unwrap(),
             limits,
             direction: "test",
+            socket: Some(std::os::fd::AsRawFd::as_raw_fd(&stream)),
         };
         match answer {
             Answer::Empty => serve_http(stream, empty_answer, conn).await,
