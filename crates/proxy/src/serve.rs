@@ -36,10 +36,13 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 
-use crate::metrics::ProxyMetrics;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
+use crate::metrics::{ClosedLabels, ProxyMetrics};
 
 mod h2_server;
-mod write_stall;
+pub(crate) mod write_stall;
 
 /// Concurrent HTTP/2 streams per client connection.
 const MAX_STREAMS: u32 = 100;
@@ -333,6 +336,8 @@ where
     let slot = crate::upgrade::ConnSlot {
         _held: Arc::new((_permit, drain.clone())),
         idle_timeout: limits.idle_timeout,
+        closed: limits.metrics.connections_closed.clone(),
+        direction,
     };
     let in_flight = Arc::new(InFlight::default());
     let tracker = in_flight.clone();
@@ -399,7 +404,8 @@ where
         tokio::pin!(conn);
         let ended = |e: hyper::Error| {
             if write_stall::is_write_stall(&e) {
-                stalled_writes(&limits, direction);
+                let closed = &limits.metrics.connections_closed;
+                stalled_writes(closed, limits.idle_timeout, direction);
             }
             e.to_string()
         };
@@ -420,14 +426,22 @@ where
 static STALL_LOG: tether_core::log_limit::LogLimit =
     tether_core::log_limit::LogLimit::new(Duration::from_secs(5));
 
-/// Counts (and logs, at a bounded rate) an HTTP/1 connection cut because
-/// its client stopped reading.
-fn stalled_writes(limits: &ServeLimits, direction: &'static str) {
-    limits.metrics.close_connection(direction, "write_stall");
+/// Counts (and logs, at a bounded rate) an HTTP/1 connection, or a tunnel
+/// upgraded from one, cut because its client stopped reading.
+pub(crate) fn stalled_writes(
+    closed: &Family<ClosedLabels, Counter>,
+    idle_timeout: Duration,
+    direction: &'static str,
+) {
+    let labels = ClosedLabels {
+        direction: direction.into(),
+        reason: "write_stall".into(),
+    };
+    closed.get_or_create(&labels).inc();
     if let Some(suppressed) = STALL_LOG.allow() {
         tracing::warn!(
             listener = direction,
-            idle_timeout = ?limits.idle_timeout,
+            ?idle_timeout,
             suppressed,
             "connection closed: its client read none of a response for --idle-timeout"
         );

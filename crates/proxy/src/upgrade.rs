@@ -8,7 +8,8 @@
 //!
 //! Bounds: a tunnel keeps the place under `--max-connections` of the
 //! connection it came on, and is closed after the listener's idle timeout
-//! without a byte either way. `Upgrade: h2c` is never passed on: the proxy
+//! without a byte either way, or once a write to a client that stopped
+//! reading has waited as long (counted as the connection's `write_stall`). `Upgrade: h2c` is never passed on: the proxy
 //! would lose sight of the requests inside. `CONNECT` is refused elsewhere
 //! (405): a tunnel to wherever the client names is an open proxy.
 
@@ -20,8 +21,12 @@ use http::header::{self, HeaderMap};
 use http::{Request, Response, StatusCode};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
+
+use crate::metrics::ClosedLabels;
 
 /// Whether a message's headers offer an upgrade the proxy carries: a
 /// `Connection: upgrade` token and an `Upgrade` other than `h2c`.
@@ -59,6 +64,10 @@ pub fn switched_unasked(version: http::Version, asked: bool, status: StatusCode)
 pub struct ConnSlot {
     pub(crate) _held: Arc<dyn Send + Sync>,
     pub(crate) idle_timeout: Duration,
+    /// Where a tunnel cut for a client that stopped reading is counted,
+    /// as its connection would have been.
+    pub(crate) closed: Family<ClosedLabels, Counter>,
+    pub(crate) direction: &'static str,
 }
 
 /// The client side of an upgrade request, until the response is known.
@@ -100,20 +109,35 @@ async fn tunnel(client: OnUpgrade, server: OnUpgrade, slot: Option<ConnSlot>) {
             return;
         }
     };
+    join(TokioIo::new(client), TokioIo::new(server), slot).await;
+}
+
+/// Copies bytes both ways between the two sides of an upgrade until
+/// either closes, or nothing moved for the slot's idle timeout.
+async fn join<C, S>(client: C, server: S, slot: Option<ConnSlot>)
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let activity = Activity::new();
     let mut client = Watched {
-        inner: TokioIo::new(client),
+        inner: client,
         activity: activity.clone(),
     };
     let mut server = Watched {
-        inner: TokioIo::new(server),
+        inner: server,
         activity: activity.clone(),
     };
     let idle = slot.as_ref().map(|s| s.idle_timeout);
     tokio::select! {
         copied = tokio::io::copy_bidirectional(&mut client, &mut server) => {
             if let Err(e) = copied {
-                tracing::debug!(error = %e, "upgraded connection ended");
+                match &slot {
+                    Some(slot) if crate::serve::write_stall::is_write_stall(&e) => {
+                        crate::serve::stalled_writes(&slot.closed, slot.idle_timeout, slot.direction);
+                    }
+                    _ => tracing::debug!(error = %e, "upgraded connection ended"),
+                }
             }
         }
         _ = activity.idle_for(idle) => {
@@ -229,6 +253,43 @@ mod tests {
             ("connection", "Upgrade, HTTP2-Settings"),
             ("upgrade", "h2c")
         ])));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tunnel_cut_because_its_client_stopped_reading_is_counted() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        let idle_timeout = Duration::from_secs(60);
+        let closed = Family::<ClosedLabels, Counter>::default();
+        let slot = ConnSlot {
+            _held: Arc::new(()),
+            idle_timeout,
+            closed: closed.clone(),
+            direction: "test",
+        };
+        let (client, mut client_peer) = tokio::io::duplex(64);
+        let client = crate::serve::write_stall::WriteStall::new(client, idle_timeout, None);
+        let (server, server_peer) = tokio::io::duplex(64);
+        // The app sends without end and takes whatever comes.
+        let (mut from_client, mut to_client) = tokio::io::split(server_peer);
+        tokio::spawn(async move { while to_client.write_all(&[1; 64]).await.is_ok() {} });
+        tokio::spawn(async move {
+            let mut buf = [0; 64];
+            while from_client.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+        });
+        // The client keeps talking, so the tunnel is never idle, and reads
+        // nothing.
+        tokio::spawn(async move {
+            while client_peer.write_all(b"ping").await.is_ok() {
+                tokio::time::sleep(idle_timeout / 10).await;
+            }
+        });
+        join(client, server, Some(slot)).await;
+        let labels = ClosedLabels {
+            direction: "test".into(),
+            reason: "write_stall".into(),
+        };
+        assert_eq!(closed.get_or_create(&labels).get(), 1);
     }
 
     #[tokio::test(start_paused = true)]
