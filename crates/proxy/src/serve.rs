@@ -378,7 +378,12 @@ where
         let stall = limits.idle_timeout;
         let stream = move |req: Request<_>, reply| {
             let (handling, guard) = start(req.map(RequestBody::Http2));
-            h2_server::respond(tracked(handling, guard), reply, stall)
+            // Boxed, as for HTTP/1: each stream's future is moved into the
+            // connection's set and again inside `respond` and `tracked`;
+            // inline, the state machine of a whole proxied request made
+            // those moves ~35 KB of copying per request (measured with a
+            // uprobe on memcpy), against one copy of it into the box.
+            h2_server::respond(tracked(Box::pin(handling), guard), reply, stall)
         };
         // Once told to close, what `finish` bounds for HTTP/1.
         let cut_off = idle_for(&in_flight, limits.drain_timeout);
