@@ -186,6 +186,13 @@ fn compared(binary: &Path) -> ProxyCommand {
     }
 }
 
+const USAGE: &str = "\
+usage: proxy-latency [--tether PATH] [--tether-proxy PATH] [--rates 1000,5000] [--seconds 5]
+                     [--reps 3] [--concurrency 32] [--proxy-arg ARG]... [--compare BINARY]...
+                     [--compare-threads N]... [--compare-h1] [--haproxy-mtls] [--syscalls]
+                     [--allocs] [--perf DIR] [--protocol http1|http2|grpc]
+The flags and what each figure means: docs/benchmarks.md.";
+
 fn parse_args() -> anyhow::Result<Args> {
     let mut args = Args {
         tether: PathBuf::from("target/release/tether"),
@@ -206,6 +213,10 @@ fn parse_args() -> anyhow::Result<Args> {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
         if flag == "--syscalls" {
             args.syscalls = true;
             continue;
@@ -241,7 +252,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--compare-threads" => args.compare_threads.push(value),
             "--perf" => args.perf = Some(value.into()),
             "--protocol" => args.protocol = value,
-            other => bail!("unknown flag {other}"),
+            other => bail!("unknown flag {other}\n{USAGE}"),
         }
     }
     if !(args.seconds > 0.0 && args.seconds <= 300.0) {
