@@ -41,6 +41,8 @@ llvm_profdata=$(profdata)
 raw="$root/target/pgo/raw"
 merged="$root/target/pgo/tether-proxy.profdata"
 mkdir -p "$root/target/pgo"
+# A run that fails leaves no result behind for a bench to measure.
+rm -f "$root/target/pgo/tether-proxy" "$root/target/pgo/tether-proxy-pgo"
 
 echo "pgo: building the harness (release)..." >&2
 cargo build --release -q -p tether -p tether-bench
@@ -88,15 +90,29 @@ if [ "$bolt" = 0 ]; then
   exit 0
 fi
 
+# BOLT reads any compiler's output; the version of rustc's LLVM is the one
+# tried first, then any llvm-bolt installed.
 llvm_major=$(rustc -vV | sed -n 's/^LLVM version: \([0-9]*\).*/\1/p')
-bolt_dir=/usr/lib/llvm-$llvm_major/bin
-if [ ! -x "$bolt_dir/llvm-bolt" ]; then
-  echo "pgo: llvm-bolt $llvm_major is missing: apt-get install bolt-$llvm_major" >&2
-  apt-get install -y -q "bolt-$llvm_major" >/dev/null || {
-    apt-get update -q >/dev/null && apt-get install -y -q "bolt-$llvm_major" >/dev/null
-  }
+find_bolt() {
+  for dir in "/usr/lib/llvm-$llvm_major/bin" /usr/lib/llvm-*/bin; do
+    if [ -x "$dir/llvm-bolt" ] && [ -x "$dir/merge-fdata" ]; then
+      echo "$dir"
+      return
+    fi
+  done
+}
+bolt_dir=$(find_bolt)
+if [ -z "$bolt_dir" ]; then
+  echo "pgo: llvm-bolt is missing: installing Debian's bolt-$llvm_major" >&2
+  { apt-get install -y -q "bolt-$llvm_major" || {
+    apt-get update -q && apt-get install -y -q "bolt-$llvm_major"; }; } >/dev/null 2>&1 || true
+  bolt_dir=$(find_bolt)
 fi
-[ -x "$bolt_dir/llvm-bolt" ] || { echo "pgo: no llvm-bolt under $bolt_dir" >&2; exit 1; }
+if [ -z "$bolt_dir" ]; then
+  echo "pgo: no llvm-bolt (bolt-$llvm_major could not be installed); target/pgo/tether-proxy-pgo is" \
+    "the PGO build without it, or run bench/pgo.sh --no-bolt" >&2
+  exit 1
+fi
 
 # BOLT's instrumented binary writes its counts when it exits; every proxy
 # of the training runs writes its own file (-append-pid).
@@ -112,14 +128,28 @@ echo "pgo: instrumenting the PGO sidecar with BOLT..." >&2
 train "$instrumented" bolt
 profiles=("$bolt_raw"/*.fdata)
 [ ${#profiles[@]} -gt 0 ] || { echo "pgo: the BOLT training run wrote no profile under $bolt_raw" >&2; exit 1; }
-"$bolt_dir/merge-fdata" "${profiles[@]}" >"$bolt_merged" 2>/dev/null
+"$bolt_dir/merge-fdata" "${profiles[@]}" >"$bolt_merged" 2>"$root/target/pgo/bolt-merge.log" \
+  || { echo "pgo: merge-fdata failed:" >&2; tail -5 "$root/target/pgo/bolt-merge.log" >&2; exit 1; }
 echo "pgo: merged ${#profiles[@]} BOLT profiles into $bolt_merged" >&2
 # Hot blocks in profile order (ext-tsp), functions called together placed
-# together (cdsort), cold blocks moved to .text.cold. The debug sections are
-# dropped (symbols stay, so backtraces still name functions);
-# target/pgo/tether-proxy-pgo keeps them.
-"$bolt_dir/llvm-bolt" "$pgo_binary" -o target/pgo/tether-proxy -data="$bolt_merged" \
+# together (cdsort), cold blocks moved to .text.cold, identical functions
+# folded. The debug sections are dropped: symbols stay, so a backtrace
+# names functions (a folded one may show as its twin), without file:line.
+# Not -use-gnu-stack: it takes the PT_GNU_STACK header for BOLT's segment,
+# and without that header glibc makes thread stacks executable.
+bolted="$root/target/pgo/bolted/tether-proxy"
+mkdir -p "$(dirname "$bolted")"
+"$bolt_dir/llvm-bolt" "$pgo_binary" -o "$bolted" -data="$bolt_merged" \
   -reorder-blocks=ext-tsp -reorder-functions=cdsort -split-functions -split-all-cold \
-  -split-eh -icf -use-gnu-stack -dyno-stats >"$root/target/pgo/bolt-optimise.log" 2>&1 \
+  -split-eh -icf -dyno-stats >"$root/target/pgo/bolt-optimise.log" 2>&1 \
   || { tail -5 "$root/target/pgo/bolt-optimise.log" >&2; exit 1; }
+readelf -lW "$bolted" | grep -q 'GNU_STACK.* RW ' \
+  || { echo "pgo: $bolted lost its non-executable stack (PT_GNU_STACK RW)" >&2; exit 1; }
+# The laid-out binary carries traffic once (plaintext and mTLS pairs, a
+# second at a low rate) before it is the result.
+echo "pgo: smoke run of the BOLT layout..." >&2
+target/release/proxy-latency --tether target/release/tether --tether-proxy "$bolted" \
+  --rates 500 --seconds 1 --reps 1 >"$root/target/pgo/smoke.txt" 2>&1 \
+  || { echo "pgo: the BOLT layout failed its smoke run: target/pgo/smoke.txt" >&2; exit 1; }
+cp "$bolted" target/pgo/tether-proxy
 echo "pgo: built target/pgo/tether-proxy (PGO + BOLT; PGO only: target/pgo/tether-proxy-pgo)" >&2
