@@ -626,13 +626,13 @@ async fn main() -> anyhow::Result<()> {
     let ports = tether_bench::reserve_ports(3)?;
 
     // The backend every route ends at.
-    let mut _peers = Vec::new();
+    let mut peers = Vec::new();
     let mut _app = None;
     let backend = if with_nginx {
         let conf = dir.join("nginx.conf");
         std::fs::write(&conf, nginx_config(&dir, ports[0]))?;
         let conf = conf.display().to_string();
-        _peers.push(spawn_peer(
+        peers.push(spawn_peer(
             "nginx",
             &["-c", &conf, "-g", "daemon off;"],
             &log("nginx"),
@@ -662,7 +662,7 @@ async fn main() -> anyhow::Result<()> {
     let haproxy = if http1 {
         let (pids, children) =
             haproxy_pair(&dir, "haproxy", (ports[1], ports[2]), backend, false).await?;
-        _peers.extend(children);
+        peers.extend(children);
         Some(pids)
     } else {
         None
@@ -671,7 +671,7 @@ async fn main() -> anyhow::Result<()> {
         let more = tether_bench::reserve_ports(2)?;
         let (pids, children) =
             haproxy_pair(&dir, "haproxy-mtls", (more[0], more[1]), backend, true).await?;
-        _peers.extend(children);
+        peers.extend(children);
         Some((more[0], pids))
     } else {
         None
@@ -955,8 +955,28 @@ async fn main() -> anyhow::Result<()> {
             p.stop(Duration::from_secs(15)).await;
         }
     }
+    // nginx and HAProxy too: a SIGKILLed nginx master (kill_on_drop)
+    // leaves its worker behind, one leaked process per run.
+    for peer in &mut peers {
+        stop_peer(peer).await;
+    }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// SIGTERM (nginx's master then stops its workers), SIGKILL after 5 s.
+async fn stop_peer(peer: &mut tokio::process::Child) {
+    if let Some(pid) = peer.id() {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status();
+    }
+    if tokio::time::timeout(Duration::from_secs(5), peer.wait())
+        .await
+        .is_err()
+    {
+        let _ = peer.kill().await;
+    }
 }
 
 /// `perf record` on a route's proxies (first repetition, `--perf` only),
