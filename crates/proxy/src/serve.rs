@@ -381,8 +381,8 @@ where
             // Boxed, as for HTTP/1: each stream's future is moved into the
             // connection's set and again inside `respond` and `tracked`;
             // inline, the state machine of a whole proxied request made
-            // those moves ~35 KB of copying per request (measured with a
-            // uprobe on memcpy), against one copy of it into the box.
+            // those moves up to ~35 KB of copying per request (a uprobe on
+            // memmove), against one copy of it into the box.
             h2_server::respond(tracked(Box::pin(handling), guard), reply, stall)
         };
         // Once told to close, what `finish` bounds for HTTP/1.
