@@ -86,9 +86,7 @@ async fn an_idle_http2_client_that_ignores_the_goaway_is_closed() {
     let (addr, server, _drain) = serve_one(config, Duration::from_millis(500), Answer::Empty).await;
     let client = async {
         let mut client = TcpStream::connect(addr).await.unwrap();
-        // The preface, then an empty SETTINGS frame.
-        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-        hello.extend([0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+        let hello = client_hello(&[]);
         client.write_all(&hello).await.unwrap();
         // What the server sends is read (so it is never stuck writing)
         // and ignored, until it closes.
@@ -98,6 +96,17 @@ async fn an_idle_http2_client_that_ignores_the_goaway_is_closed() {
     let closed = tokio::time::timeout(WAIT, async { tokio::join!(server, client) }).await;
     assert!(closed.is_ok(), "the server still holds the connection");
 }
+
+/// What an HTTP/2 client sends first: the preface, then its SETTINGS
+/// frame carrying `settings`.
+fn client_hello(settings: &[u8]) -> Vec<u8> {
+    let mut hello = crate::detect::H2_PREFACE.to_vec();
+    hello.extend(frame(SETTINGS, 0, 0, settings));
+    hello
+}
+
+/// SETTINGS_INITIAL_WINDOW_SIZE 0: no stream may be sent a byte of DATA.
+const NO_WINDOW: [u8; 6] = [0x00, 0x04, 0, 0, 0, 0];
 
 /// An HTTP/2 frame: 9-byte header (length, type, flags, stream), payload.
 fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
@@ -109,6 +118,7 @@ fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
 }
 
 const HEADERS: u8 = 0x1;
+const SETTINGS: u8 = 0x4;
 const RST_STREAM: u8 = 0x3;
 const GOAWAY: u8 = 0x7;
 const END_STREAM_AND_HEADERS: u8 = 0x5;
@@ -138,8 +148,7 @@ async fn frames_answering(sent: Vec<u8>, last: u32) -> Vec<(u8, u32, Option<u32>
     let client = async {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut read, mut write) = stream.into_split();
-        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-        hello.extend(frame(0x4, 0, 0, &[]));
+        let mut hello = client_hello(&[]);
         hello.extend(sent);
         // Written beside the reads: the server's answers must not wait
         // for the whole of it.
@@ -272,8 +281,7 @@ async fn a_stuck_response_reset_by_its_client_is_let_go() {
     let client = async {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut read, mut write) = stream.into_split();
-        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-        hello.extend(frame(0x4, 0, 0, &[0x00, 0x04, 0, 0, 0, 0]));
+        let mut hello = client_hello(&NO_WINDOW);
         hello.extend(frame(HEADERS, END_STREAM_AND_HEADERS, 1, &GET));
         write.write_all(&hello).await.unwrap();
         let mut seen = Vec::new();
@@ -320,8 +328,7 @@ async fn a_response_given_no_window_is_reset_after_the_idle_timeout() {
     let client = async {
         let stream = TcpStream::connect(addr).await.unwrap();
         let (mut read, mut write) = stream.into_split();
-        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-        hello.extend(frame(0x4, 0, 0, &[0x00, 0x04, 0, 0, 0, 0]));
+        let mut hello = client_hello(&NO_WINDOW);
         hello.extend(frame(HEADERS, END_STREAM_AND_HEADERS, 1, &GET));
         write.write_all(&hello).await.unwrap();
         let mut seen = Vec::new();
@@ -372,8 +379,7 @@ async fn a_panicking_request_fails_alone() {
             ]
             .concat()
         };
-        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-        hello.extend(frame(0x4, 0, 0, &[]));
+        let mut hello = client_hello(&[]);
         hello.extend(frame(HEADERS, END_STREAM_AND_HEADERS, 1, &path("/slow")));
         hello.extend(frame(HEADERS, END_STREAM_AND_HEADERS, 3, &path("/panic")));
         write.write_all(&hello).await.unwrap();
