@@ -67,8 +67,9 @@
 #![forbid(unsafe_code)]
 
 mod alloc_probes;
+mod netns;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -106,6 +107,9 @@ struct Args {
     haproxy_mtls: bool,
     /// What the load speaks to the outbound: `http1`, `http2` or `grpc`.
     protocol: String,
+    /// Every route in its own pair of pod network namespaces, the Tether
+    /// pods behind `tether init`'s iptables redirect (see `netns.rs`).
+    netns: bool,
 }
 
 /// One pair of Tether proxies to measure.
@@ -190,7 +194,7 @@ const USAGE: &str = "\
 usage: proxy-latency [--tether PATH] [--tether-proxy PATH] [--rates 1000,5000] [--seconds 5]
                      [--reps 3] [--concurrency 32] [--proxy-arg ARG]... [--compare BINARY]...
                      [--compare-threads N]... [--compare-h1] [--haproxy-mtls] [--syscalls]
-                     [--allocs] [--perf DIR] [--protocol http1|http2|grpc]
+                     [--allocs] [--perf DIR] [--protocol http1|http2|grpc] [--netns]
 The flags and what each figure means: docs/benchmarks.md.";
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -210,6 +214,7 @@ fn parse_args() -> anyhow::Result<Args> {
         allocs: false,
         haproxy_mtls: false,
         protocol: "http1".to_string(),
+        netns: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -231,6 +236,10 @@ fn parse_args() -> anyhow::Result<Args> {
         }
         if flag == "--haproxy-mtls" {
             args.haproxy_mtls = true;
+            continue;
+        }
+        if flag == "--netns" {
+            args.netns = true;
             continue;
         }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
@@ -277,6 +286,11 @@ struct Route {
     authority: String,
     /// The proxies on this route (client side first), for CPU and memory.
     pids: Vec<u32>,
+    /// With --netns: the client pod's namespace, where the load runs.
+    client_ns: Option<String>,
+    /// With --netns: each Tether proxy's admin address and the direction
+    /// it counts this route's requests in, checked after every load.
+    counted: Vec<(SocketAddr, &'static str)>,
 }
 
 fn load(
@@ -285,7 +299,14 @@ fn load(
     rate: Option<f64>,
     seconds: f64,
 ) -> anyhow::Result<serde_json::Value> {
-    let mut cmd = std::process::Command::new(&args.tether);
+    let mut cmd = match &route.client_ns {
+        Some(ns) => {
+            let mut cmd = std::process::Command::new("ip");
+            cmd.args(["netns", "exec", ns]).arg(&args.tether);
+            cmd
+        }
+        None => std::process::Command::new(&args.tether),
+    };
     cmd.args([
         "load",
         "--connect",
@@ -406,11 +427,24 @@ impl Samples {
     }
 }
 
-/// Runs `program` with `args`, killed when the bench ends; its output goes to `log`.
-fn spawn_peer(program: &str, args: &[&str], log: &Path) -> anyhow::Result<tokio::process::Child> {
+/// Runs `program` with `args` (in `pod` when given), killed when the bench
+/// ends; its output goes to `log`.
+fn spawn_peer(
+    program: &str,
+    args: &[&str],
+    log: &Path,
+    pod: Option<&netns::Pod>,
+) -> anyhow::Result<tokio::process::Child> {
     let log = std::fs::File::create(log)?;
-    tokio::process::Command::new(program)
-        .args(args)
+    let mut cmd = match pod {
+        Some(pod) => {
+            let mut cmd = tokio::process::Command::new("ip");
+            cmd.args(pod.exec(program));
+            cmd
+        }
+        None => tokio::process::Command::new(program),
+    };
+    cmd.args(args)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -522,14 +556,16 @@ fn haproxy_certificates(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf
 }
 
 /// An HAProxy pair (client side → server side → `backend`) on `client_port`
-/// and `server_port`, with mTLS and HTTP/2 between the two when `mtls`:
-/// the pids, client side first, and the processes.
+/// and `server_port`, with mTLS and HTTP/2 between the two when `mtls`,
+/// each side in its pod of `pods` when given: the pids, client side first,
+/// and the processes.
 async fn haproxy_pair(
     dir: &Path,
     name: &str,
     (client_port, server_port): (SocketAddr, SocketAddr),
     backend: SocketAddr,
     mtls: bool,
+    pods: Option<&(netns::Pod, netns::Pod)>,
 ) -> anyhow::Result<(Vec<u32>, Vec<tokio::process::Child>)> {
     let (bind_opts, server_opts) = if mtls {
         let (ca, server, client) = haproxy_certificates(dir)?;
@@ -546,9 +582,23 @@ async fn haproxy_pair(
     };
     let mut pids = Vec::new();
     let mut children = Vec::new();
-    for (side, listen, next, bind, server) in [
-        ("server", server_port, backend, bind_opts.as_str(), ""),
-        ("client", client_port, server_port, "", server_opts.as_str()),
+    for (side, listen, next, bind, server, pod) in [
+        (
+            "server",
+            server_port,
+            backend,
+            bind_opts.as_str(),
+            "",
+            pods.map(|p| &p.1),
+        ),
+        (
+            "client",
+            client_port,
+            server_port,
+            "",
+            server_opts.as_str(),
+            pods.map(|p| &p.0),
+        ),
     ] {
         let file = format!("{name}-{side}");
         let conf = dir.join(format!("{file}.cfg"));
@@ -557,6 +607,7 @@ async fn haproxy_pair(
             "haproxy",
             &["-db", "-f", &conf.display().to_string()],
             &dir.join(format!("{file}.log")),
+            pod,
         )?;
         pids.insert(0, child.id().unwrap_or(0));
         children.push(child);
@@ -574,6 +625,11 @@ async fn haproxy_pair(
             })
             .collect();
         bail!("{e}; HAProxy said:\n{}", logs.join("\n"));
+    }
+    if pods.is_some() {
+        for pid in &pids {
+            netns::check_runs(*pid, Path::new("haproxy"))?;
+        }
     }
     Ok((pids, children))
 }
@@ -623,63 +679,93 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     let with_nginx = http1 && ensure_installed("nginx", "nginx-light").is_ok();
-    let ports = tether_bench::reserve_ports(3)?;
-
-    // The backend every route ends at.
-    let mut peers = Vec::new();
-    let mut _app = None;
-    let backend = if with_nginx {
-        let conf = dir.join("nginx.conf");
-        std::fs::write(&conf, nginx_config(&dir, ports[0]))?;
-        let conf = conf.display().to_string();
-        peers.push(spawn_peer(
-            "nginx",
-            &["-c", &conf, "-g", "daemon off;"],
-            &log("nginx"),
-        )?);
-        ports[0]
-    } else {
-        let app = Process::spawn(
-            &args.tether,
-            "app",
-            &[s("demo-app"), s("--listen"), s(any)],
-            &log("app"),
-            &["http"],
-        )
-        .await?;
-        let addr = app.addr("http");
-        _app = Some(app);
-        addr
-    };
-    wait_http(backend, Duration::from_secs(10)).await?;
     let backend_name = if with_nginx {
         "nginx (1 worker)"
     } else {
         "tether demo-app"
     };
+    // --netns: a pod pair per route, in the order the routes are made.
+    let node = if args.netns {
+        let pairs = 1
+            + usize::from(http1)
+            + usize::from(http1 && args.haproxy_mtls)
+            + variants(&args).len();
+        let node = netns::Node::new(pairs, ensure_installed)?;
+        remove_on_signal(dir.clone());
+        Some(node)
+    } else {
+        None
+    };
+    let pods = |k: usize| node.as_ref().map(|n| (n.client(k), n.server(k)));
+    let ports = tether_bench::reserve_ports(3)?;
 
-    // The HAProxy pair: client side → server side → backend.
-    let haproxy = if http1 {
-        let (pids, children) =
-            haproxy_pair(&dir, "haproxy", (ports[1], ports[2]), backend, false).await?;
-        peers.extend(children);
-        Some(pids)
-    } else {
-        None
+    // The backend every route ends at: one on loopback, one per server pod
+    // with --netns.
+    let mut peers = Vec::new();
+    let mut apps = Vec::new();
+    let mut backends = Backends {
+        args: &args,
+        dir: &dir,
+        with_nginx,
+        shared: None,
+        peers: &mut peers,
+        apps: &mut apps,
     };
-    let haproxy_mtls = if http1 && args.haproxy_mtls {
+    if node.is_none() {
+        let name = if with_nginx { "nginx" } else { "app" };
+        let shared = backends.start(name, ports[0], None).await?;
+        backends.shared = Some(shared);
+    }
+
+    let authority = s("web.bench.svc.cluster.local:8080");
+    let (connect, _) = backends.of(0, pods(0)).await?;
+    let mut routes = vec![Route {
+        name: s("direct"),
+        connect,
+        authority: authority.clone(),
+        pids: vec![],
+        client_ns: pods(0).map(|(c, _)| c.ns),
+        counted: vec![],
+    }];
+    // The HAProxy pairs: client side → server side → backend.
+    let mut haproxies = Vec::new();
+    if http1 {
+        haproxies.push(("haproxy", "haproxy", (ports[1], ports[2]), false));
+    }
+    if http1 && args.haproxy_mtls {
         let more = tether_bench::reserve_ports(2)?;
+        haproxies.push((HAPROXY_MTLS, "haproxy-mtls", (more[0], more[1]), true));
+    }
+    for (name, file, loopback_ports, mtls) in haproxies {
+        let k = routes.len();
+        let (_, backend) = backends.of(k, pods(k)).await?;
+        let listen = match pods(k) {
+            Some((client, server)) => (
+                client.addr(netns::HAPROXY_CLIENT_PORT),
+                server.addr(netns::HAPROXY_SERVER_PORT),
+            ),
+            None => loopback_ports,
+        };
         let (pids, children) =
-            haproxy_pair(&dir, "haproxy-mtls", (more[0], more[1]), backend, true).await?;
-        peers.extend(children);
-        Some((more[0], pids))
-    } else {
-        None
-    };
+            haproxy_pair(&dir, file, listen, backend, mtls, pods(k).as_ref()).await?;
+        backends.peers.extend(children);
+        routes.push(Route {
+            name: s(name),
+            connect: listen.0,
+            authority: authority.clone(),
+            pids,
+            client_ns: pods(k).map(|(c, _)| c.ns),
+            counted: vec![],
+        });
+    }
 
     let ca = dir.join("identity");
     tether_identity::ca::init(&tether_identity::ca::InitOptions::new(&ca, "cluster.local"))?;
     let tokens = tether_identity::token::LocalTokens::load(&ca)?;
+    // With --netns on the node, at an address every pod reaches.
+    let control_at = node
+        .as_ref()
+        .map_or(s(any), |n| format!("{}:0", n.control_ip()));
     let control = Process::spawn(
         &args.tether,
         "control",
@@ -688,9 +774,9 @@ async fn main() -> anyhow::Result<()> {
             s("--registry"),
             registry.display().to_string(),
             s("--grpc"),
-            s(any),
+            control_at.clone(),
             s("--admin"),
-            s(any),
+            control_at,
             s("--identity"),
             ca.display().to_string(),
             // The plaintext pair's proxies have no identity to do TLS with.
@@ -700,55 +786,52 @@ async fn main() -> anyhow::Result<()> {
         &["grpc", "admin"],
     )
     .await?;
-    let mut routes = vec![Route {
-        name: s("direct"),
-        connect: backend,
-        authority: s("web.bench.svc.cluster.local:8080"),
-        pids: vec![],
-    }];
-    if let Some(pids) = haproxy {
-        routes.push(Route {
-            name: s("haproxy"),
-            connect: ports[1],
-            authority: s("web.bench.svc.cluster.local:8080"),
-            pids,
-        });
-    }
-    if let Some((connect, pids)) = haproxy_mtls {
-        routes.push(Route {
-            name: s(HAPROXY_MTLS),
-            connect,
-            authority: s("web.bench.svc.cluster.local:8080"),
-            pids,
-        });
-    }
     let mut tether_pairs = Vec::new();
     let mut start_up = Vec::new();
     for (i, variant) in variants(&args).iter().enumerate() {
+        let k = routes.len();
+        let (_, backend) = backends.of(k, pods(k)).await?;
+        let pod_pair = pods(k);
         let service = format!("web-{i}");
+        let mut service_doc = ServiceDoc::new(&service, "bench", vec![PortSpec::http(8080)]);
+        service_doc.cluster_ip = node.as_ref().map(|n| IpAddr::V4(n.plan.cluster_ip(k)));
         write_document(
             &registry,
             &format!("{service}.yaml"),
-            &Document::Service(ServiceDoc::new(
-                &service,
-                "bench",
-                vec![PortSpec::http(8080)],
-            )),
+            &Document::Service(service_doc.clone()),
         )?;
+        if let Some((client, server)) = &pod_pair {
+            for pod in [server, client] {
+                netns::intercept(&args.tether, pod, control.addr("grpc").port())?;
+            }
+        }
         let server_id = tether_identity::identity_name(&service, "bench", "cluster.local");
         let client_id =
             tether_identity::identity_name(&format!("client-{i}"), "bench", "cluster.local");
-        let proxy = |app: Option<SocketAddr>, identity: &str| -> anyhow::Result<Vec<String>> {
+        let proxy = |app: Option<SocketAddr>,
+                     identity: &str,
+                     pod: Option<&netns::Pod>|
+         -> anyhow::Result<Vec<String>> {
+            // In a pod, as a sidecar: the outbound on loopback where the
+            // redirect sends connections, inbound and admin on the pod's IP.
+            let (outbound, inbound, admin) = match pod {
+                Some(pod) => (
+                    format!("127.0.0.1:{}", netns::OUTBOUND_PORT),
+                    pod.addr(netns::INBOUND_PORT).to_string(),
+                    pod.addr(netns::ADMIN_PORT).to_string(),
+                ),
+                None => (s(any), s(any), s(any)),
+            };
             let mut a = vec![
                 s("proxy"),
                 s("--control"),
                 control.addr("grpc").to_string(),
                 s("--outbound"),
-                s(any),
+                outbound,
                 s("--inbound"),
-                s(any),
+                inbound,
                 s("--admin"),
-                s(any),
+                admin,
             ];
             a.extend(variant.proxy_args.iter().cloned());
             if let Some(app) = app {
@@ -770,26 +853,50 @@ async fn main() -> anyhow::Result<()> {
             }
             Ok(a)
         };
+        let (client_pod, server_pod) = match &pod_pair {
+            Some((c, s)) => (Some(c), Some(s)),
+            None => (None, None),
+        };
         // Start-up: from spawn to `/ready` 200 (with a certificate: Certify done).
         let mut pair = Vec::new();
-        for (role, argv, expect) in [
+        for (role, argv, expect, pod) in [
             (
                 "server",
-                proxy(Some(backend), &server_id)?,
+                proxy(Some(backend), &server_id, server_pod)?,
                 &["inbound", "admin"],
+                server_pod,
             ),
-            ("client", proxy(None, &client_id)?, &["outbound", "admin"]),
+            (
+                "client",
+                proxy(None, &client_id, client_pod)?,
+                &["outbound", "admin"],
+                client_pod,
+            ),
         ] {
             let name = format!("{role}-{i}");
             let mut argv = argv;
             tether_mesh_up::process::plaintext_control_plane_without_identity(&mut argv);
             // `proxy` first was for the line above: the binary decides.
             let argv = variant.proxy.args(&argv[1..]);
+            let exe = variant.proxy.exe();
+            // In a pod: `ip netns exec` and `setpriv` exec the proxy, so
+            // the pid is the proxy's (checked below).
+            let (program, argv) = match pod {
+                Some(pod) => {
+                    let mut full = pod.exec_as_proxy(&exe.display().to_string());
+                    full.extend(argv);
+                    (Path::new("ip"), full)
+                }
+                None => (exe, argv),
+            };
             let started = Instant::now();
-            let p = Process::spawn(variant.proxy.exe(), &name, &argv, &log(&name), expect).await?;
+            let p = Process::spawn(program, &name, &argv, &log(&name), expect).await?;
             wait_ready_fine(p.addr("admin")).await?;
             if variant.tls {
                 start_up.push((format!("{} {role}", variant.name), started.elapsed()));
+            }
+            if pod.is_some() {
+                netns::check_runs(p.pid().unwrap_or(0), exe)?;
             }
             pair.push(p);
         }
@@ -804,21 +911,45 @@ async fn main() -> anyhow::Result<()> {
                     // Not meshed: the client proxy speaks HTTP/1.1 to the
                     // server proxy (still over mTLS), as to a plain app.
                     meshed: !variant.h1_between,
-                    ..EndpointSpec::new(pair[0].addr("inbound"))
+                    // In a pod: the pod's app port, which the server pod's
+                    // redirect sends to the inbound.
+                    ..EndpointSpec::new(match server_pod {
+                        Some(pod) => pod.addr(netns::APP_PORT),
+                        None => pair[0].addr("inbound"),
+                    })
                 }],
             }),
         )?;
-        routes.push(Route {
-            name: variant.name.clone(),
-            connect: pair[1].addr("outbound"),
-            authority: format!("{service}.bench.svc.cluster.local:8080"),
-            pids: vec![pair[1].pid().unwrap_or(0), pair[0].pid().unwrap_or(0)],
+        let authority = format!("{service}.bench.svc.cluster.local:8080");
+        routes.push(match (&node, client_pod) {
+            // As an app dials a service: its cluster IP, intercepted.
+            (Some(node), Some(client)) => Route {
+                name: variant.name.clone(),
+                connect: SocketAddr::new(IpAddr::V4(node.plan.cluster_ip(k)), netns::APP_PORT),
+                authority,
+                pids: vec![pair[1].pid().unwrap_or(0), pair[0].pid().unwrap_or(0)],
+                client_ns: Some(client.ns.clone()),
+                counted: vec![
+                    (pair[1].addr("admin"), "outbound"),
+                    (pair[0].addr("admin"), "inbound"),
+                ],
+            },
+            _ => Route {
+                name: variant.name.clone(),
+                connect: pair[1].addr("outbound"),
+                authority,
+                pids: vec![pair[1].pid().unwrap_or(0), pair[0].pid().unwrap_or(0)],
+                client_ns: None,
+                counted: vec![],
+            },
         });
         tether_pairs.push(pair);
     }
     // Warm up every path (connections, discovery, handshakes).
     for r in &routes {
-        load(&args, r, Some(200.0), 1.0)?;
+        let counted = counts(r).await?;
+        let report = load(&args, r, Some(200.0), 1.0)?;
+        check_counted(r, &counted, &report).await?;
     }
     let cpu = |r: &Route| {
         r.pids
@@ -856,6 +987,9 @@ async fn main() -> anyhow::Result<()> {
     for variant in &variants(&args) {
         println!("  {:<12} runs {}", variant.name, variant.proxy.describe());
     }
+    if let Some(node) = &node {
+        println!("topology: {}", node.describe());
+    }
     println!(
         "{} cores, load average at start {}",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
@@ -880,9 +1014,11 @@ async fn main() -> anyhow::Result<()> {
         );
         for (ri, &rate) in args.rates.iter().enumerate() {
             for (r, sample) in routes.iter().zip(&mut samples) {
+                // Read outside the measured window: a scrape costs CPU.
+                let counted = counts(r).await?;
                 let before = cpu(r);
                 let sched_before = sched(r);
-                let _perf = profile(&args, rep, r, &rate.to_string())?;
+                let perf = profile(&args, rep, r, &rate.to_string())?;
                 let counting = count_syscalls(&args, rep, r, &dir)?;
                 let allocs = count_allocs(&args, rep, r, &dir, &mut probes)?;
                 let report = load(&args, r, Some(rate), args.seconds)?;
@@ -914,11 +1050,14 @@ async fn main() -> anyhow::Result<()> {
                         .saturating_sub(sched_before.timeslices) as f64
                         / sent,
                 });
+                drop(perf);
+                check_counted(r, &counted, &report).await?;
             }
         }
         for (r, sample) in routes.iter().zip(&mut samples) {
+            let counted = counts(r).await?;
             let before = cpu(r);
-            let _perf = profile(&args, rep, r, "max")?;
+            let perf = profile(&args, rep, r, "max")?;
             let report = load(&args, r, None, max_secs(&args))?;
             sample.max_rps.push(f(&report, "rps"));
             sample.max_cpu_per_k.push(per_k(cpu(r) - before, &report));
@@ -928,6 +1067,8 @@ async fn main() -> anyhow::Result<()> {
                     .map(|p| tether_bench::proc_usage(*p).rss_kib as f64 / 1024.0)
                     .collect(),
             );
+            drop(perf);
+            check_counted(r, &counted, &report).await?;
         }
     }
     println!("load average at end {}", tether_bench::loadavg());
@@ -960,8 +1101,175 @@ async fn main() -> anyhow::Result<()> {
     for peer in &mut peers {
         stop_peer(peer).await;
     }
+    for app in &mut apps {
+        app.stop(Duration::from_secs(5)).await;
+    }
+    drop(control);
+    // The pods, and anything left in them.
+    drop(node);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+/// Each of a route's counting proxies' requests so far (--netns).
+async fn counts(route: &Route) -> anyhow::Result<Vec<f64>> {
+    let mut out = Vec::new();
+    for (admin, direction) in &route.counted {
+        let (status, text) = tether_mesh_up::stats::http_get(*admin, "/metrics").await?;
+        anyhow::ensure!(status == 200, "{admin}/metrics answered {status}");
+        out.push(netns::requests(&text, direction));
+    }
+    Ok(out)
+}
+
+/// Fails unless every counting proxy of `route` counted at least the
+/// requests the load got an answer to since `before`: a proxy the traffic
+/// bypassed (a redirect that did not apply) must not pass for a fast one.
+/// A proxy counts a request as its response ends, so the counts are
+/// polled a while.
+async fn check_counted(
+    route: &Route,
+    before: &[f64],
+    report: &serde_json::Value,
+) -> anyhow::Result<()> {
+    if route.counted.is_empty() {
+        return Ok(());
+    }
+    let answered = f(report, "sent") - f(report, "failed");
+    // No answer at all is no measurement either (a redirect that sent the
+    // load nowhere).
+    anyhow::ensure!(
+        answered > 0.0,
+        "{}: the load got no answer through the proxies: {}",
+        route.name,
+        report["errors"]
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = counts(route).await?;
+        let short: Vec<String> = route
+            .counted
+            .iter()
+            .zip(now.iter().zip(before))
+            .filter(|(_, (n, b))| *n - *b < answered)
+            .map(|((admin, direction), (n, b))| {
+                format!("the {direction} proxy ({admin}) counted {}", n - b)
+            })
+            .collect();
+        if short.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "{}: the load got {answered} answers, but {}: traffic went around the proxies",
+                route.name,
+                short.join(" and ")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Where the backends run: one shared on loopback, or one per server pod.
+struct Backends<'a> {
+    args: &'a Args,
+    dir: &'a Path,
+    with_nginx: bool,
+    /// The loopback backend every route shares.
+    shared: Option<SocketAddr>,
+    peers: &'a mut Vec<tokio::process::Child>,
+    apps: &'a mut Vec<Process>,
+}
+
+impl Backends<'_> {
+    /// Route `k`'s backend: where the client dials it directly, and where
+    /// the server-side proxy dials it (the server pod's loopback).
+    async fn of(
+        &mut self,
+        k: usize,
+        pods: Option<(netns::Pod, netns::Pod)>,
+    ) -> anyhow::Result<(SocketAddr, SocketAddr)> {
+        match (self.shared, pods) {
+            (Some(shared), _) => Ok((shared, shared)),
+            (None, Some((_, server))) => {
+                let listen = SocketAddr::from(([0, 0, 0, 0], netns::APP_PORT));
+                self.start(&format!("nginx-{k}"), listen, Some(&server))
+                    .await?;
+                Ok((
+                    server.addr(netns::APP_PORT),
+                    SocketAddr::from(([127, 0, 0, 1], netns::APP_PORT)),
+                ))
+            }
+            (None, None) => bail!("no backend for route {k}"),
+        }
+    }
+
+    /// nginx with one worker (the demo app without nginx) on `listen`, in
+    /// `pod` when given; where it answers, once it does.
+    async fn start(
+        &mut self,
+        name: &str,
+        listen: SocketAddr,
+        pod: Option<&netns::Pod>,
+    ) -> anyhow::Result<SocketAddr> {
+        let log = self.dir.join(format!("{name}.log"));
+        let addr = if self.with_nginx {
+            // Its own pid file and temporary directories.
+            let dir = match pod {
+                Some(_) => self.dir.join(name),
+                None => self.dir.to_path_buf(),
+            };
+            std::fs::create_dir_all(&dir)?;
+            let conf = dir.join("nginx.conf");
+            std::fs::write(&conf, nginx_config(&dir, listen))?;
+            let conf = conf.display().to_string();
+            self.peers.push(spawn_peer(
+                "nginx",
+                &["-c", &conf, "-g", "daemon off;"],
+                &log,
+                pod,
+            )?);
+            pod.map_or(listen, |p| p.addr(listen.port()))
+        } else {
+            let tether = self.args.tether.display().to_string();
+            let (program, mut argv) = match pod {
+                Some(pod) => (Path::new("ip"), pod.exec(&tether)),
+                None => (self.args.tether.as_path(), Vec::new()),
+            };
+            let any = if pod.is_some() {
+                listen
+            } else {
+                SocketAddr::from(([127, 0, 0, 1], 0))
+            };
+            argv.extend(["demo-app".to_string(), "--listen".into(), any.to_string()]);
+            let app = Process::spawn(program, name, &argv, &log, &["http"]).await?;
+            let addr = pod.map_or(app.addr("http"), |p| p.addr(listen.port()));
+            self.apps.push(app);
+            addr
+        };
+        wait_http(addr, Duration::from_secs(10)).await?;
+        Ok(addr)
+    }
+}
+
+/// With --netns, Ctrl-C (or SIGTERM) removes the pods and what runs in
+/// them before the bench exits, as an error does when the node drops.
+fn remove_on_signal(dir: PathBuf) {
+    tokio::spawn(async move {
+        let Ok(mut term) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        else {
+            return;
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        eprintln!("interrupted: removing the bench's network namespaces");
+        netns::remove_run(std::process::id());
+        let _ = std::fs::remove_dir_all(&dir);
+        std::process::exit(130);
+    });
 }
 
 /// SIGTERM (nginx's master then stops its workers), SIGKILL after 5 s.
