@@ -395,6 +395,11 @@ struct Summary {
     /// Largest RSS of the route's proxies (median over repetitions).
     rss_mib: f64,
     peak_rss_mib: f64,
+    /// Every repetition's figures, for the spread of a ratio: the routes
+    /// run interleaved, so repetition k of two routes ran minutes apart at
+    /// most, and their ratio leaves out the machine's drift over the run.
+    reps: Vec<Vec<Fixed>>,
+    max_rps_reps: Vec<f64>,
 }
 
 impl Samples {
@@ -423,8 +428,36 @@ impl Samples {
                 .iter()
                 .map(|p| tether_bench::proc_usage(*p).peak_rss_kib as f64 / 1024.0)
                 .fold(f64::NAN, f64::max),
+            reps: self.fixed.clone(),
+            max_rps_reps: self.max_rps.clone(),
         }
     }
+}
+
+/// Ratios of repetition k of `t` to repetition k of `h` (`pick` reads a
+/// figure from each), as "min-max, N of M meet the goal": one run's
+/// median can pass or fail by the machine's noise; the spread shows how
+/// far it is from the line.
+fn spread(
+    t: &[f64],
+    h: &[f64],
+    ratio: impl Fn(f64, f64) -> f64,
+    pass: impl Fn(f64, f64) -> bool,
+) -> String {
+    let pairs: Vec<(f64, f64)> = t
+        .iter()
+        .zip(h)
+        .map(|(t, h)| (*t, *h))
+        .filter(|(t, h)| !t.is_nan() && !h.is_nan())
+        .collect();
+    if pairs.len() < 2 {
+        return String::new();
+    }
+    let ratios: Vec<f64> = pairs.iter().map(|(t, h)| ratio(*t, *h)).collect();
+    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let met = pairs.iter().filter(|(t, h)| pass(*t, *h)).count();
+    format!("  reps {lo:.2}-{hi:.2}, {met} of {} met", pairs.len())
 }
 
 /// Runs `program` with `args` (in `pod` when given), killed when the bench
@@ -1584,24 +1617,44 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
     println!("\nTether / HAProxy (same run; goal in brackets):");
     for (r, t) in routes.iter().zip(sums).filter(|(r, _)| is_tether(r)) {
         let mut verdicts = Vec::new();
-        let mut check = |what: String, ratio: f64, pass: bool| {
+        let mut check = |what: String, ratio: f64, pass: bool, spread: String| {
             println!(
-                "  {:<12} {what:<44} {ratio:>7.2}  {}",
+                "  {:<12} {what:<44} {ratio:>7.2}  {}{spread}",
                 r.name,
                 if pass { "PASS" } else { "FAIL" }
             );
             verdicts.push(pass);
         };
+        let rep_figures = |s: &Summary, ri: usize, pick: &dyn Fn(&Fixed) -> f64| -> Vec<f64> {
+            s.reps[ri].iter().map(pick).collect()
+        };
         for (ri, rate) in args.rates.iter().enumerate() {
             let ratio = t.fixed[ri].cpu_per_k / h.fixed[ri].cpu_per_k;
+            let cpu = |x: &Fixed| x.cpu_per_k;
             check(
                 format!("CPU per 1k req at {rate} req/s [≤ 1.0]"),
                 ratio,
                 ratio <= 1.0,
+                spread(
+                    &rep_figures(t, ri, &cpu),
+                    &rep_figures(h, ri, &cpu),
+                    |t, h| t / h,
+                    |t, h| t <= h,
+                ),
             );
         }
         let ratio = t.max_rps / h.max_rps;
-        check(s_("max throughput [≥ 1.0]"), ratio, ratio >= 1.0);
+        check(
+            s_("max throughput [≥ 1.0]"),
+            ratio,
+            ratio >= 1.0,
+            spread(
+                &t.max_rps_reps,
+                &h.max_rps_reps,
+                |t, h| t / h,
+                |t, h| t >= h,
+            ),
+        );
         for (ri, rate) in args.rates.iter().enumerate() {
             let d = &direct.fixed[ri];
             for (qi, q) in ["p50", "p99", "p99.9"].iter().enumerate() {
@@ -1616,7 +1669,24 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
                 );
                 if goal {
                     let ratio = added_t.max(0.001) / added_h.max(0.001);
-                    check(what, ratio, added_t <= added_h);
+                    let added = |s: &Summary| -> Vec<f64> {
+                        s.reps[ri]
+                            .iter()
+                            .zip(&direct.reps[ri])
+                            .map(|(x, d)| x.p[qi] - d.p[qi])
+                            .collect()
+                    };
+                    check(
+                        what,
+                        ratio,
+                        added_t <= added_h,
+                        spread(
+                            &added(t),
+                            &added(h),
+                            |t, h| t.max(0.001) / h.max(0.001),
+                            |t, h| t <= h,
+                        ),
+                    );
                 } else if added_h < MEANINGFUL_ADDED_MS {
                     // HAProxy's added latency is within noise of direct (it
                     // can even be negative): a ratio to it would be noise.
@@ -1640,6 +1710,7 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
             ),
             t.rss_mib * 1.048_576 / 10.0,
             t.rss_mib * 1.048_576 <= 10.0,
+            String::new(),
         );
         let passed = verdicts.iter().filter(|v| **v).count();
         println!("  {:<12} {passed} of {} goals met", r.name, verdicts.len());
@@ -1721,4 +1792,21 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("tether-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::spread;
+
+    #[test]
+    fn spread_pairs_repetitions_and_counts_the_ones_that_meet_the_goal() {
+        let t = [1.1, 0.9, 1.0, f64::NAN];
+        let h = [1.0, 1.0, 1.0, 1.0];
+        assert_eq!(
+            spread(&t, &h, |t, h| t / h, |t, h| t <= h),
+            "  reps 0.90-1.10, 2 of 3 met"
+        );
+        // One repetition says nothing about a spread.
+        assert_eq!(spread(&t[..1], &h, |t, h| t / h, |t, h| t <= h), "");
+    }
 }
