@@ -16,6 +16,8 @@
 #   --haproxy-mtls (an extra HAProxy pair with mTLS and HTTP/2 between its proxies, as Tether's: informational ratios)
 #   --allocs (count each proxy's heap allocations and timers per request, with uprobes, during the first repetition)
 #   --protocol http2|grpc (the load speaks HTTP/2 or gRPC to the demo app; no HAProxy pairs)
+#   --netns (root: every route in a client pod and a server pod, network namespaces joined through the node by
+#     veths; the Tether pods behind `tether init`'s iptables redirect, the load dialing the service's cluster IP)
 #   --pgo (build the sidecar with profile-guided optimisation and BOLT, bench/pgo.sh, ~25 min from scratch; its pairs run
 #     that build, and an extra mTLS pair runs the release-lto build it started from)
 set -euo pipefail

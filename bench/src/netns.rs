@@ -280,6 +280,8 @@ fn free_octet() -> anyhow::Result<u8> {
 pub struct Node {
     pub plan: Plan,
     pairs: usize,
+    /// How long making the pods took.
+    took: Duration,
 }
 
 impl Node {
@@ -308,15 +310,18 @@ impl Node {
             bail!("--netns: {pairs} routes, at most {MAX_PAIRS}");
         }
         remove_stale();
-        let node = Self {
+        let started = Instant::now();
+        let mut node = Self {
             plan: Plan {
                 pid: std::process::id(),
                 octet: free_octet()?,
             },
             pairs,
+            took: Duration::ZERO,
         };
         // From here on, a failure drops `node`, which removes what was made.
         node.build()?;
+        node.took = started.elapsed();
         Ok(node)
     }
 
@@ -367,14 +372,16 @@ impl Node {
     /// For the output: what ran.
     pub fn describe(&self) -> String {
         format!(
-            "network namespaces: per route a client pod and a server pod, each joined to the node \
-             (the root namespace, IP forwarding) by a veth pair in 10.{}.0.0/16; direct and HAProxy \
-             dialed at the server pod's and the client-side HAProxy's pod IP; the Tether pods \
+            "network namespaces (--netns): per route a client pod and a server pod, each joined to \
+             the node (the root namespace, forwarding) by a veth pair in 10.{}.0.0/16; Tether pods \
              intercepted by `tether init` (iptables REDIRECT, proxies as uid {PROXY_UID}), the load \
-             dialing the service's cluster IP in {}; control plane on the node at {}",
+             dialing the service's cluster IP in {}; direct and HAProxy dialed at pod IPs, no \
+             redirect; control plane on the node at {}; {} pods made in {:.1} s",
             self.plan.octet,
             self.plan.service_range(),
-            self.control_ip()
+            self.control_ip(),
+            self.pairs * 2,
+            self.took.as_secs_f64()
         )
     }
 }

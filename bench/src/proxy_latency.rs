@@ -19,7 +19,7 @@
 //! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
 //!          [--perf DIR] [--syscalls] [--allocs] [--compare-h1] [--haproxy-mtls]
-//!          [--tether-proxy PATH] [--protocol http1|http2|grpc]
+//!          [--tether-proxy PATH] [--protocol http1|http2|grpc] [--netns]
 //!
 //! The Tether pairs run `tether-proxy`, the proxy-only binary (`--tether-proxy
 //! PATH`; default: beside `--tether`); `--compare target/release/tether`
@@ -63,6 +63,11 @@
 //! HTTP/1.1 (a build trained on that traffic by `bench/pgo.sh`, say). The
 //! HAProxy pairs speak HTTP/1.1 only and are left out; so are the ratios
 //! against them.
+//!
+//! `--netns` runs every route on a node with pods instead of loopback:
+//! a client pod and a server pod per route (network namespaces joined to
+//! the root namespace by veths), the Tether pods intercepted by `tether
+//! init`, the load dialing the service's cluster IP; see `netns.rs`.
 
 #![forbid(unsafe_code)]
 
