@@ -284,28 +284,30 @@ pub struct Node {
     took: Duration,
 }
 
+/// Checks for root and the tools `--netns` runs (`install` fetches a
+/// missing one: program, Debian package), before the bench does anything.
+pub fn preflight(install: impl Fn(&str, &str) -> anyhow::Result<()>) -> anyhow::Result<()> {
+    if !is_root() {
+        bail!(
+            "--netns needs root: it creates network namespaces, veths and iptables rules \
+             and runs the proxies as uid {PROXY_UID}"
+        );
+    }
+    for (program, package) in [
+        ("ip", "iproute2"),
+        ("iptables", "iptables"),
+        ("setpriv", "util-linux"),
+    ] {
+        install(program, package)
+            .with_context(|| format!("--netns needs `{program}` (Debian package {package})"))?;
+    }
+    Ok(())
+}
+
 impl Node {
-    /// Checks for root and the tools (`install` fetches a missing one:
-    /// program, Debian package), removes stale namespaces, then makes
-    /// `pairs` pod pairs.
-    pub fn new(
-        pairs: usize,
-        install: impl Fn(&str, &str) -> anyhow::Result<()>,
-    ) -> anyhow::Result<Self> {
-        if !is_root() {
-            bail!(
-                "--netns needs root: it creates network namespaces, veths and iptables rules \
-                 and runs the proxies as uid {PROXY_UID}"
-            );
-        }
-        for (program, package) in [
-            ("ip", "iproute2"),
-            ("iptables", "iptables"),
-            ("setpriv", "util-linux"),
-        ] {
-            install(program, package)
-                .with_context(|| format!("--netns needs `{program}` (Debian package {package})"))?;
-        }
+    /// Removes stale namespaces, then makes `pairs` pod pairs (after
+    /// [`preflight`]).
+    pub fn new(pairs: usize) -> anyhow::Result<Self> {
         if pairs > MAX_PAIRS {
             bail!("--netns: {pairs} routes, at most {MAX_PAIRS}");
         }

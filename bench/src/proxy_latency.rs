@@ -689,6 +689,9 @@ fn nginx_config(dir: &Path, listen: SocketAddr) -> String {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
+    if args.netns {
+        netns::preflight(ensure_installed)?;
+    }
     // Every binary starts from disk, as in a new container: how much of a
     // binary a process maps around each page it runs (fault-around, large
     // folios) depends on how its file came into the page cache (a copied
@@ -728,7 +731,7 @@ async fn main() -> anyhow::Result<()> {
             + usize::from(http1)
             + usize::from(http1 && args.haproxy_mtls)
             + variants(&args).len();
-        let node = netns::Node::new(pairs, ensure_installed)?;
+        let node = netns::Node::new(pairs)?;
         remove_on_signal(dir.clone());
         Some(node)
     } else {
