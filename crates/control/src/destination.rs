@@ -23,7 +23,7 @@
 //! are repaired (the slot republished, the subscription woken to send the
 //! correcting diff) and counted.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,6 +43,7 @@ use tether_core::authority::{parse_service_authority, split_host_port, ServiceKe
 use tokio::sync::{mpsc, Notify};
 use tonic::{Request, Response, Status};
 
+use crate::endpoints::EndpointSet;
 use crate::index::{
     shrink_map, EndpointMeta, Index, PortSnapshot, Published, SlotKey, SlotReceiver,
 };
@@ -297,54 +298,9 @@ impl Subscriptions {
 /// other subscriber sent the same state), so it holds no copy of its own.
 #[derive(Default, Debug, Clone, PartialEq)]
 pub struct SentState {
-    endpoints: Arc<BTreeMap<SocketAddr, EndpointMeta>>,
+    endpoints: EndpointSet,
     /// `Some(exists)` when the last thing sent was `NoEndpoints`.
     no_endpoints: Option<bool>,
-}
-
-/// What changed between two endpoint sets: the addresses gone, and the
-/// addresses of endpoints new or changed. One ordered walk of both (they
-/// are sorted by address), and none at all when they are the same set.
-fn changes(
-    old: &Arc<BTreeMap<SocketAddr, EndpointMeta>>,
-    new: &Arc<BTreeMap<SocketAddr, EndpointMeta>>,
-) -> (Vec<SocketAddr>, Vec<SocketAddr>) {
-    let (mut removed, mut added) = (Vec::new(), Vec::new());
-    if Arc::ptr_eq(old, new) {
-        return (removed, added);
-    }
-    let (mut o, mut n) = (old.iter().peekable(), new.iter().peekable());
-    loop {
-        match (o.peek(), n.peek()) {
-            (None, None) => break,
-            (Some((a, _)), None) => {
-                removed.push(**a);
-                o.next();
-            }
-            (None, Some((a, _))) => {
-                added.push(**a);
-                n.next();
-            }
-            (Some((oa, om)), Some((na, nm))) => match oa.cmp(na) {
-                std::cmp::Ordering::Less => {
-                    removed.push(**oa);
-                    o.next();
-                }
-                std::cmp::Ordering::Greater => {
-                    added.push(**na);
-                    n.next();
-                }
-                std::cmp::Ordering::Equal => {
-                    if om != nm {
-                        added.push(**na);
-                    }
-                    o.next();
-                    n.next();
-                }
-            },
-        }
-    }
-    (removed, added)
 }
 
 /// The updates that take one subscriber to a new state, built one at a
@@ -353,7 +309,7 @@ fn changes(
 /// the whole set at once. `Add`s come first, then `Remove`s, then
 /// `NoEndpoints`.
 pub struct Updates {
-    endpoints: Arc<BTreeMap<SocketAddr, EndpointMeta>>,
+    endpoints: EndpointSet,
     added: std::iter::Peekable<std::vec::IntoIter<SocketAddr>>,
     metric_labels: HashMap<String, String>,
     /// Room for addresses in one `Add`.
@@ -430,7 +386,7 @@ impl SentState {
     /// `snap`, and records them as sent. Large sets are split into several
     /// `Remove`s and `Add`s, each at most [`MAX_UPDATE_BYTES`] encoded.
     pub fn updates(&mut self, snap: &PortSnapshot, service: &SlotKey) -> Updates {
-        let (removed, mut added) = changes(&self.endpoints, &snap.endpoints);
+        let (removed, mut added) = snap.endpoints.changes_from(&self.endpoints);
         self.endpoints = snap.endpoints.clone();
         let removed = removed.into_iter().map(TcpAddress::from).collect();
         let (removes, _) = batched(removed, |addrs| {
@@ -634,7 +590,7 @@ impl SentState {
     /// shared endpoint set (or both none), the same `NoEndpoints`.
     fn same_as(&self, other: &SentState) -> bool {
         self.no_endpoints == other.no_endpoints
-            && (Arc::ptr_eq(&self.endpoints, &other.endpoints)
+            && (self.endpoints.ptr_eq(&other.endpoints)
                 || (self.endpoints.is_empty() && other.endpoints.is_empty()))
     }
 }
@@ -1149,8 +1105,9 @@ impl http_body::Body for FramedUpdates {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoints::SetChange;
     use crate::index::EndpointMeta;
-    use std::collections::BTreeSet;
+    use std::collections::{BTreeMap, BTreeSet};
 
     fn meta() -> EndpointMeta {
         EndpointMeta {
@@ -1170,12 +1127,10 @@ mod tests {
         PortSnapshot {
             exists,
             opaque: false,
-            endpoints: Arc::new(
-                ports
-                    .iter()
-                    .map(|p| (SocketAddr::from(([127, 0, 0, 1], *p)), meta()))
-                    .collect(),
-            ),
+            endpoints: ports
+                .iter()
+                .map(|p| (SocketAddr::from(([127, 0, 0, 1], *p)), meta()))
+                .collect(),
         }
     }
 
@@ -1356,7 +1311,7 @@ mod tests {
         // 4,500 endpoints with long zone names are two `Add`s: a step of
         // several updates.
         let state = |round: u32| {
-            let endpoints = (0..4_500u32)
+            let endpoints: Vec<_> = (0..4_500u32)
                 // Each round drops a different fifth and renames a tenth.
                 .filter(|i| !(i + round).is_multiple_of(5))
                 .map(|i| EndpointSpec {
@@ -1591,11 +1546,12 @@ mod tests {
                     (SocketAddr::from(([127, 0, 0, 1], port)), meta)
                 })
                 .collect();
-            Arc::new(map)
+            map
         };
         for _ in 0..500 {
             let (old, new) = (set(&mut next), set(&mut next));
-            let (removed, added) = changes(&old, &new);
+            let (removed, added) =
+                EndpointSet::from(new.clone()).changes_from(&EndpointSet::from(old.clone()));
             let want_removed: Vec<SocketAddr> = old
                 .keys()
                 .filter(|a| !new.contains_key(a))
@@ -1617,7 +1573,7 @@ mod tests {
         let s = snap(true, &[1, 2, 3]);
         let mut sent = SentState::default();
         assert!(!sent.diff(&s, &key).is_empty());
-        assert!(Arc::ptr_eq(&sent.endpoints, &s.endpoints));
+        assert!(sent.endpoints.ptr_eq(&s.endpoints));
         assert!(sent.diff(&s.clone(), &key).is_empty());
     }
 
@@ -1625,10 +1581,14 @@ mod tests {
     fn an_endpoint_too_large_for_any_update_is_left_out_and_not_resent() {
         let key = SlotKey::Service(ServiceKey::new("web", "demo"));
         let mut s = snap(true, &[1, 2]);
-        Arc::make_mut(&mut s.endpoints)
-            .get_mut(&SocketAddr::from(([127, 0, 0, 1], 2)))
-            .unwrap()
-            .name = Some("x".repeat(MAX_UPDATE_BYTES));
+        let big = EndpointMeta {
+            name: Some("x".repeat(MAX_UPDATE_BYTES)),
+            ..meta()
+        };
+        s.endpoints = s.endpoints.with_changes(vec![SetChange::Insert(
+            SocketAddr::from(([127, 0, 0, 1], 2)),
+            big,
+        )]);
         let mut sent = SentState::default();
         let updates = sent.diff(&s, &key);
         assert_eq!(kinds(&updates), ["add1"]);
@@ -1734,7 +1694,7 @@ mod tests {
                         8080,
                     )))
                 })
-                .collect(),
+                .collect::<Vec<_>>(),
         )
     }
 
@@ -1865,10 +1825,14 @@ mod tests {
         watching.recv().await.unwrap().unwrap();
         assert_eq!(latencies_observed(&dst.metrics), 0, "a first state");
         let mut more = web_service();
-        more.endpoints
-            .push(tether_core::registry::EndpointSpec::new(
+        more.endpoints = more
+            .endpoints
+            .iter()
+            .cloned()
+            .chain([tether_core::registry::EndpointSpec::new(
                 "127.0.0.1:9".parse().unwrap(),
-            ));
+            )])
+            .collect();
         dst.index.set_service(&key, Some(more));
         watching.recv().await.unwrap().unwrap();
         assert_eq!(latencies_observed(&dst.metrics), 1, "the change's update");

@@ -25,6 +25,8 @@ use tether_core::policy::{Labels, PolicySet, WorkloadKey};
 use tether_core::registry::{EndpointSpec, MulticlusterMode, PortSpec};
 use tokio::sync::watch;
 
+use crate::endpoints::{EndpointChanges, SetChange};
+pub use crate::endpoints::{EndpointList, EndpointSet};
 use crate::metrics::{ControlMetrics, ServiceLabels};
 
 /// A whole service as a registry backend sees it.
@@ -37,7 +39,7 @@ pub struct ServiceState {
     /// Overrides the proxies' response timeout; zero means none.
     pub response_timeout: Option<std::time::Duration>,
     pub cluster_ip: Option<std::net::IpAddr>,
-    pub endpoints: Vec<EndpointSpec>,
+    pub endpoints: EndpointList,
     /// The routes attached to the service (to any of its ports), ordered
     /// by kind, namespace and name; each validated.
     pub routes: Vec<tether_core::route::Route>,
@@ -54,13 +56,13 @@ impl ServiceState {
             retry_budget: None,
             response_timeout: None,
             cluster_ip: None,
-            endpoints: Vec::new(),
+            endpoints: EndpointList::default(),
             routes: Vec::new(),
         }
     }
 
     pub fn with_endpoints(mut self, endpoints: Vec<EndpointSpec>) -> Self {
-        self.endpoints = endpoints;
+        self.endpoints = endpoints.into();
         self
     }
 }
@@ -91,7 +93,7 @@ pub struct EndpointMeta {
 pub struct PortSnapshot {
     pub exists: bool,
     pub opaque: bool,
-    pub endpoints: Arc<BTreeMap<SocketAddr, EndpointMeta>>,
+    pub endpoints: EndpointSet,
 }
 
 impl PortSnapshot {
@@ -110,13 +112,12 @@ impl PortSnapshot {
         std::borrow::Cow::Owned(PortSnapshot {
             exists: self.exists,
             opaque: self.opaque,
-            endpoints: Arc::new(
-                self.endpoints
-                    .iter()
-                    .filter(|(_, m)| tier(m) == best)
-                    .map(|(a, m)| (*a, m.clone()))
-                    .collect(),
-            ),
+            endpoints: self
+                .endpoints
+                .iter()
+                .filter(|(_, m)| tier(m) == best)
+                .map(|(a, m)| (*a, m.clone()))
+                .collect(),
         })
     }
 }
@@ -147,6 +148,18 @@ impl Published {
             observed_at,
             snap,
             best_tier,
+            shared: Default::default(),
+        }
+    }
+
+    /// A state whose endpoints are all of one tier (a local service's),
+    /// known without looking at each.
+    fn one_tier(version: u64, observed_at: Instant, snap: PortSnapshot) -> Self {
+        Self {
+            version,
+            observed_at,
+            snap,
+            best_tier: None,
             shared: Default::default(),
         }
     }
@@ -246,7 +259,7 @@ pub type RoutingReceiver = watch::Receiver<RoutingState>;
 fn routing_state(state: Option<&ServiceState>) -> RoutingState {
     state.map(|s| {
         Arc::new(ServiceState {
-            endpoints: Vec::new(),
+            endpoints: EndpointList::default(),
             ..s.clone()
         })
     })
@@ -343,6 +356,11 @@ impl Index {
         observed_at: Instant,
     ) {
         let mut inner = self.inner.lock().unwrap();
+        let changes = inner
+            .services
+            .get(key)
+            .zip(state.as_ref())
+            .and_then(|(old, new)| endpoint_changes(old, new));
         let old_endpoints = inner.services.get(key).map_or(0, |s| s.endpoints.len());
         let new_endpoints = state.as_ref().map_or(0, |s| s.endpoints.len());
         let labels = ServiceLabels {
@@ -358,7 +376,9 @@ impl Index {
                 changed
             });
         }
-        inner.update_workloads(key, state.as_ref());
+        if changes.as_ref().is_none_or(|c| c.names_touched) {
+            inner.update_workloads(key, state.as_ref());
+        }
         let old_global = inner.services.get(key).and_then(|s| s.global_id.clone());
         let new_global = state.as_ref().and_then(|s| s.global_id.clone());
         match state {
@@ -396,7 +416,11 @@ impl Index {
         self.metrics
             .registry_endpoints
             .inc_by(new_endpoints as i64 - old_endpoints as i64);
-        let mut affected = vec![SlotKey::Service(key.clone())];
+        let mut affected = Vec::new();
+        match &changes {
+            Some(changes) => inner.republish_changes(key, changes, observed_at),
+            None => affected.push(SlotKey::Service(key.clone())),
+        }
         // Endpoint slots are few (intercepted pod-IP connections): refresh all.
         affected.extend(
             inner
@@ -597,6 +621,17 @@ impl Index {
             .sum()
     }
 
+    /// How many snapshots were built from scratch, for tests of what a
+    /// change costs.
+    #[cfg(test)]
+    pub(crate) fn snapshots_built(&self) -> usize {
+        self.inner
+            .lock()
+            .unwrap()
+            .snapshots_built
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Drops slots that no subscriber watches any more.
     pub fn collect_garbage(&self) {
         let mut inner = self.inner.lock().unwrap();
@@ -709,7 +744,7 @@ impl Inner {
             SlotKey::Global(g) => PortSnapshot {
                 exists: self.by_global.contains_key(g),
                 opaque: false,
-                endpoints: Arc::new(self.local_union(g, port)),
+                endpoints: self.local_union(g, port).into(),
             },
             SlotKey::Endpoint(addr) => {
                 let found = self.services.values().find_map(|svc| {
@@ -725,7 +760,7 @@ impl Inner {
                     Some(meta) => PortSnapshot {
                         exists: true,
                         opaque: meta.opaque,
-                        endpoints: Arc::new(BTreeMap::from([(*addr, meta)])),
+                        endpoints: BTreeMap::from([(*addr, meta)]).into(),
                     },
                     None => PortSnapshot::default(),
                 }
@@ -741,7 +776,7 @@ impl Inner {
                     return PortSnapshot {
                         exists: true,
                         opaque: spec.opaque,
-                        endpoints: Arc::new(ready_endpoints(svc, port, &self.cluster)),
+                        endpoints: ready_endpoints(svc, port, &self.cluster).into(),
                     };
                 };
                 let mut endpoints = self.local_union(global, port);
@@ -753,7 +788,7 @@ impl Inner {
                 PortSnapshot {
                     exists: true,
                     opaque: spec.opaque,
-                    endpoints: Arc::new(endpoints),
+                    endpoints: endpoints.into(),
                 }
             }
         }
@@ -802,6 +837,55 @@ impl Inner {
             .collect()
     }
 
+    /// Publishes a local service's change to its slots from what changed,
+    /// each slot's new state made from its previous one: a change to a few
+    /// endpoints of a large service costs those endpoints.
+    fn republish_changes(
+        &mut self,
+        key: &ServiceKey,
+        changes: &EndpointChanges,
+        observed_at: Instant,
+    ) {
+        let slot_key = SlotKey::Service(key.clone());
+        let Some(state) = self.services.get(key) else {
+            return;
+        };
+        let Some(ports) = self.slots.get_mut(&slot_key) else {
+            return;
+        };
+        for (port, slot) in ports.iter_mut() {
+            let Some(spec) = state.ports.iter().find(|p| p.port == *port) else {
+                continue; // a port it does not have, before and after
+            };
+            let serves = |ep: &&EndpointSpec| ep.ready && ep.port.is_none_or(|p| p == *port);
+            let set_changes: Vec<SetChange> = changes
+                .removed
+                .iter()
+                .filter(serves)
+                .map(|ep| SetChange::Remove(ep.address))
+                .chain(changes.added.iter().filter(serves).map(|ep| {
+                    SetChange::Insert(ep.address, meta_of(ep, spec.opaque, &self.cluster))
+                }))
+                .collect();
+            if set_changes.is_empty() {
+                continue;
+            }
+            let snap = {
+                let current = &slot.borrow().snap;
+                PortSnapshot {
+                    endpoints: current.endpoints.with_changes(set_changes),
+                    ..current.clone()
+                }
+            };
+            // A local service's endpoints have no tiers.
+            publish_as(slot, snap, observed_at, Published::one_tier);
+        }
+        ports.retain(|_, slot| slot.receiver_count() > 0);
+        if ports.is_empty() {
+            self.slots.remove(&slot_key);
+        }
+    }
+
     fn republish(&mut self, keys: &[SlotKey], observed_at: Instant) {
         for key in keys {
             let Some(ports) = self.slots.get(key) else {
@@ -835,11 +919,21 @@ pub(crate) fn shrink_map<K: Eq + std::hash::Hash, V>(map: &mut HashMap<K, V>) {
 
 /// Replaces a slot's state if it differs; never waits on readers.
 fn publish(slot: &mut Slot, snap: PortSnapshot, observed_at: Instant) {
+    publish_as(slot, snap, observed_at, Published::new);
+}
+
+/// [`publish`], the new state made by `make`.
+fn publish_as(
+    slot: &mut Slot,
+    snap: PortSnapshot,
+    observed_at: Instant,
+    make: fn(u64, Instant, PortSnapshot) -> Published,
+) {
     slot.send_if_modified(|cur| {
         if cur.snap == snap {
             return false;
         }
-        *cur = Arc::new(Published::new(cur.version + 1, observed_at, snap));
+        *cur = Arc::new(make(cur.version + 1, observed_at, snap));
         true
     });
 }
@@ -856,6 +950,16 @@ fn meta_of(ep: &EndpointSpec, opaque: bool, cluster: &str) -> EndpointMeta {
         authority_override: None,
         tier: None,
     }
+}
+
+/// What changed in a local service's endpoints, when nothing else its
+/// slots show changed, so they can be updated from it; `None` when they
+/// must be rebuilt.
+fn endpoint_changes(old: &ServiceState, new: &ServiceState) -> Option<EndpointChanges> {
+    if old.global_id.is_some() || new.global_id.is_some() || old.ports != new.ports {
+        return None;
+    }
+    new.endpoints.changes_from(&old.endpoints)
 }
 
 /// A service's ready endpoints serving `port`.
@@ -912,6 +1016,125 @@ mod tests {
         for other in &others {
             assert!(Arc::ptr_eq(&other.borrow(), &first.borrow()));
         }
+    }
+
+    /// A service in parts, the way the file registry hands it over: a
+    /// change to one part is published from what changed (no snapshot
+    /// built), and every slot ends where a full rebuild would put it,
+    /// over a seeded random sequence of changes — endpoints in and out,
+    /// weights, readiness, per-port listings, names and labels, parts
+    /// added and removed, and now and then a port change, which rebuilds.
+    #[test]
+    fn slots_updated_from_changes_match_a_full_rebuild() {
+        let index = Index::new(ControlMetrics::default());
+        let key = ServiceKey::new("web", "demo");
+        let mut seed = 0x853c_49e6_748f_ea9bu64;
+        let mut next = move |below: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % below
+        };
+        let mut serial = 0u32;
+        // Only the first two parts name their endpoints: a change to the
+        // others leaves the service's workloads as they were.
+        let mut fresh = |next: &mut dyn FnMut(u64) -> u64, part: usize| {
+            serial += 1;
+            EndpointSpec {
+                port: [None, Some(80), Some(81)][next(3) as usize],
+                ready: next(5) != 0,
+                weight: 1 + next(3) as u32,
+                name: (part < 2 && next(4) == 0).then(|| format!("pod-{}", next(20))),
+                labels: [("v".to_string(), next(3).to_string())].into(),
+                ..EndpointSpec::new(SocketAddr::from((
+                    [10, 0, (serial >> 8) as u8, serial as u8],
+                    8080,
+                )))
+            }
+        };
+        let mut parts: Vec<Vec<EndpointSpec>> = (0..6)
+            .map(|part| (0..next(700)).map(|_| fresh(&mut next, part)).collect())
+            .collect();
+        let mut shared: Vec<Arc<[EndpointSpec]>> = parts.iter().map(|p| p.clone().into()).collect();
+        let ports = |two: bool| {
+            let mut ports = vec![PortSpec::http(80)];
+            if two {
+                ports.push(PortSpec::http(81));
+            }
+            ports
+        };
+        let mut two_ports = true;
+        let state = |shared: &[Arc<[EndpointSpec]>], two: bool| ServiceState {
+            endpoints: EndpointList::distinct_parts(shared.to_vec()),
+            ..ServiceState::new(ports(two))
+        };
+        index.set_service(&key, Some(state(&shared, two_ports)));
+        let slot = SlotKey::Service(key.clone());
+        let watchers = [index.subscribe(&slot, 80), index.subscribe(&slot, 81)];
+        let workload = WorkloadKey {
+            namespace: "demo".into(),
+            name: "pod-7".into(),
+        };
+        let labels = index.watch_workload(&workload);
+        let built = || {
+            index
+                .inner
+                .lock()
+                .unwrap()
+                .snapshots_built
+                .load(std::sync::atomic::Ordering::Relaxed)
+        };
+        let mut incremental = 0;
+        for round in 0..300 {
+            let i = next(parts.len() as u64) as usize;
+            let port_change = next(40) == 0;
+            match next(8) {
+                0 => parts[i].clear(),
+                1 => parts[i].extend((0..next(300)).map(|_| fresh(&mut next, i))),
+                _ => {
+                    for _ in 0..1 + next(3) {
+                        if parts[i].is_empty() {
+                            break;
+                        }
+                        let at = next(parts[i].len() as u64) as usize;
+                        match next(4) {
+                            0 => {
+                                parts[i].remove(at);
+                            }
+                            1 => parts[i][at].weight += 1,
+                            2 => parts[i][at].ready = !parts[i][at].ready,
+                            _ => {
+                                let ep = fresh(&mut next, i);
+                                parts[i].push(ep)
+                            }
+                        }
+                    }
+                }
+            }
+            shared[i] = parts[i].clone().into();
+            two_ports ^= port_change;
+            let before = built();
+            index.set_service(&key, Some(state(&shared, two_ports)));
+            if !port_change {
+                assert_eq!(built(), before, "round {round}: a snapshot was built");
+                incremental += 1;
+            }
+            for port in [80, 81] {
+                let (_, agrees) = index.check_slot(&slot, port);
+                assert!(
+                    agrees,
+                    "round {round}, port {port}: the slot differs from a rebuild"
+                );
+            }
+            let first_listed = parts
+                .iter()
+                .flatten()
+                .find(|ep| ep.name.as_deref() == Some("pod-7"))
+                .map(|ep| ep.labels.clone());
+            assert_eq!(*labels.borrow(), first_listed, "round {round}");
+        }
+        assert!(incremental > 250);
+        drop(watchers);
     }
 
     #[test]

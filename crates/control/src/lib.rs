@@ -22,6 +22,7 @@
 pub mod channel;
 pub mod destination;
 pub mod diagnostics;
+pub mod endpoints;
 pub mod identity;
 pub mod inbound_policy;
 pub mod index;

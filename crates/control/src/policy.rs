@@ -461,7 +461,7 @@ mod tests {
 
         // Endpoint churn changes nothing a policy says: nothing is sent.
         let mut churned = web_state("");
-        churned.endpoints = vec![EndpointSpec::new("127.0.0.1:9".parse().unwrap())];
+        churned.endpoints = vec![EndpointSpec::new("127.0.0.1:9".parse().unwrap())].into();
         svc.index.set_service(&web(), Some(churned));
         // A route arrives: the new policy follows.
         svc.index.set_service(&web(), Some(web_state(CANARY)));

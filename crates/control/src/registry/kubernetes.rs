@@ -413,7 +413,7 @@ impl World {
                 .as_deref()
                 .filter(|ip| *ip != "None")
                 .and_then(|ip| ip.parse().ok()),
-            endpoints,
+            endpoints: endpoints.into(),
             routes,
         })
     }

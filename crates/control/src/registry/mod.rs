@@ -8,6 +8,7 @@
 
 pub mod file;
 pub mod kubernetes;
+mod merge;
 pub mod source;
 
 use std::future::Future;
