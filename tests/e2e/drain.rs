@@ -128,9 +128,10 @@ fn count(seen: &Seen, key: &str) -> usize {
     seen.lock().unwrap().get(key).copied().unwrap_or(0)
 }
 
-/// POSTs (not idempotent: never retried) without a body, from `workers`
-/// clients, each over its own kept-alive HTTP/1 connection to `outbound`,
-/// until `stop` is set.
+/// POSTs (not idempotent: never retried) from `workers` clients, each
+/// over its own kept-alive HTTP/1 connection to `outbound`, until `stop`
+/// is set: every other client's with a body streamed as it comes (no
+/// length known ahead, as gRPC's), the rest without a body.
 fn post_load(
     outbound: SocketAddr,
     authority: String,
@@ -139,7 +140,8 @@ fn post_load(
     seen: Seen,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     (0..workers)
-        .map(|_| {
+        .map(|worker| {
+            let streamed = worker % 2 == 1;
             let (authority, stop, seen) = (authority.clone(), stop.clone(), seen.clone());
             tokio::spawn(async move {
                 let mut sender = None;
@@ -154,13 +156,29 @@ fn post_load(
                         sender = Some(s);
                     }
                     let s = sender.as_mut().expect("connected above");
+                    use http_body_util::BodyExt;
+                    let body = if streamed {
+                        let chunk = hyper::body::Frame::data(bytes::Bytes::from_static(b"part"));
+                        let chunks =
+                            futures::stream::iter([Ok::<_, std::convert::Infallible>(chunk)]);
+                        http_body_util::StreamBody::new(chunks).boxed()
+                    } else {
+                        http_body_util::Empty::new().boxed()
+                    };
                     let req = http::Request::post("/orders")
                         .header(http::header::HOST, &authority)
-                        .body(http_body_util::Full::new(bytes::Bytes::new()))
+                        .body(body)
                         .unwrap();
                     let key = match s.send_request(req).await {
                         Ok(rsp) if rsp.status() == 200 => {
-                            rsp.headers()["x-replica"].to_str().unwrap().to_string()
+                            let replica = rsp.headers()["x-replica"].to_str().unwrap().to_string();
+                            // The app answers with the body length it read.
+                            let read = rsp.into_body().collect().await.map(|b| b.to_bytes());
+                            let expected: &[u8] = if streamed { b"Ok(4)" } else { b"Ok(0)" };
+                            match read {
+                                Ok(read) if read == expected => replica,
+                                other => format!("failed body {other:?}"),
+                            }
                         }
                         Ok(rsp) => format!(
                             "failed {} {:?}",
@@ -182,8 +200,8 @@ fn post_load(
 /// A rolling restart: a peer proxy drained (SIGTERM) under steady load of
 /// requests that cannot be retried, while another replica serves. Requests
 /// that race the peer's GOAWAY (found it closed, or refused above its last
-/// stream id) were never processed by it and go out again; none fails.
-/// (A request whose body was streamed to the peer cannot go out again.)
+/// stream id) were never processed by it and go out again, their streamed
+/// bodies whole; none fails.
 #[tokio::test]
 async fn a_peer_draining_under_load_fails_no_request() {
     let scratch = Scratch::new();
@@ -260,7 +278,9 @@ async fn a_peer_draining_under_load_fails_no_request() {
 
 /// A peer speaking HTTP/2 (as a peer proxy does) that refuses the first
 /// request for each path with REFUSED_STREAM, unprocessed, and answers
-/// every later one.
+/// every later one with the number of body bytes it read (`x-received`).
+/// A request for `/large` it reads until more than can be kept for sending
+/// again (64 KiB) has come, then refuses it.
 async fn refusing_peer() -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -273,12 +293,29 @@ async fn refusing_peer() -> SocketAddr {
                     return;
                 };
                 while let Some(Ok((req, mut respond))) = conn.accept().await {
-                    let first = seen.lock().unwrap().insert(req.uri().path().to_string());
-                    if first {
+                    let path = req.uri().path().to_string();
+                    let first = seen.lock().unwrap().insert(path.clone());
+                    if first && path != "/large" {
                         respond.send_reset(h2::Reason::REFUSED_STREAM);
-                    } else {
-                        let _ = respond.send_response(http::Response::new(()), true);
+                        continue;
                     }
+                    tokio::spawn(async move {
+                        let mut body = req.into_body();
+                        let mut received = 0usize;
+                        while let Some(Ok(chunk)) = body.data().await {
+                            received += chunk.len();
+                            let _ = body.flow_control().release_capacity(chunk.len());
+                            if path == "/large" && received > 64 * 1024 {
+                                respond.send_reset(h2::Reason::REFUSED_STREAM);
+                                return;
+                            }
+                        }
+                        let rsp = http::Response::builder()
+                            .header("x-received", received.to_string())
+                            .body(())
+                            .unwrap();
+                        let _ = respond.send_response(rsp, true);
+                    });
                 }
             });
         }
@@ -355,6 +392,18 @@ pub(crate) async fn post(
     path: &str,
     streamed: bool,
 ) -> Answer {
+    let chunks: &[&'static [u8]] = if streamed { &[b"part"] } else { &[] };
+    post_chunks(outbound, authority, path, chunks).await
+}
+
+/// A POST over a fresh HTTP/1 connection whose body is `chunks`, streamed
+/// (chunked: no length known ahead) unless there are none.
+async fn post_chunks(
+    outbound: SocketAddr,
+    authority: &str,
+    path: &str,
+    chunks: &[&'static [u8]],
+) -> Answer {
     use http_body_util::BodyExt;
     let io = tokio::net::TcpStream::connect(outbound).await.unwrap();
     let (mut sender, conn) =
@@ -362,12 +411,18 @@ pub(crate) async fn post(
             .await
             .unwrap();
     tokio::spawn(conn);
-    let body = if streamed {
-        let chunk = hyper::body::Frame::data(bytes::Bytes::from_static(b"part"));
-        let chunks = futures::stream::iter([Ok::<_, std::convert::Infallible>(chunk)]);
-        http_body_util::StreamBody::new(chunks).boxed()
-    } else {
+    let body = if chunks.is_empty() {
         http_body_util::Empty::new().boxed()
+    } else {
+        let frames: Vec<_> = chunks
+            .iter()
+            .map(|c| {
+                Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(
+                    bytes::Bytes::from_static(c),
+                ))
+            })
+            .collect();
+        http_body_util::StreamBody::new(futures::stream::iter(frames)).boxed()
     };
     let req = http::Request::post(path)
         .header(http::header::HOST, authority)
@@ -385,11 +440,12 @@ pub(crate) async fn post(
 }
 
 /// A request the peer refused unprocessed (REFUSED_STREAM) goes out again,
-/// though it is not idempotent, when its body is whole (here: none); one
-/// whose body was streamed to the peer cannot, and fails naming the
-/// refusal.
+/// though it is not idempotent: without a body, and with one streamed as
+/// it comes (the proxy kept what it sent, and the peer reads all of it the
+/// second time); one whose streamed body outgrew what is kept (64 KiB)
+/// before the refusal cannot, and fails naming the refusal.
 #[tokio::test]
-async fn a_request_refused_unprocessed_goes_out_again_only_with_its_body_whole() {
+async fn a_request_refused_unprocessed_goes_out_again_while_its_body_is_kept() {
     let scratch = Scratch::new();
     scratch.service("web", 8080, false);
     let control = scratch.control().await;
@@ -401,7 +457,16 @@ async fn a_request_refused_unprocessed_goes_out_again_only_with_its_body_whole()
 
     let answer = post(outbound, &web, "/orders", false).await;
     assert_eq!(answer.status, 200, "{:?}", answer.proxy_error());
-    let answer = post(outbound, &web, "/uploads", true).await;
+    let answer = post_chunks(outbound, &web, "/uploads", &[b"part", b"-two"]).await;
+    assert_eq!(answer.status, 200, "{:?}", answer.proxy_error());
+    assert_eq!(
+        answer.headers["x-received"], "8",
+        "the whole body, sent again"
+    );
+
+    static CHUNK: [u8; 16 * 1024] = [7; 16 * 1024];
+    let large = [&CHUNK[..]; 8];
+    let answer = post_chunks(outbound, &web, "/large", &large).await;
     assert_eq!(answer.status, 502);
     let error = answer.proxy_error().unwrap_or_default();
     assert!(error.contains("refused the request unprocessed"), "{error}");
@@ -412,5 +477,5 @@ async fn a_request_refused_unprocessed_goes_out_again_only_with_its_body_whole()
         "tether_proxy_retries_total",
         &[("authority", &web), ("outcome", "unprocessed")],
     );
-    assert_eq!(resent, 1.0, "{text}");
+    assert_eq!(resent, 2.0, "{text}");
 }

@@ -72,6 +72,7 @@ pub mod intercept;
 pub mod metrics;
 pub mod outbound;
 pub mod policy;
+pub mod replay;
 pub mod retry;
 pub mod serve;
 pub mod sidecar;

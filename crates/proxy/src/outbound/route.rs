@@ -78,7 +78,11 @@ enum Resend {
     Retryable(Bytes),
     /// No body: only when a peer refused it unprocessed.
     Unprocessed,
-    /// A body streamed as it comes: sent once.
+    /// A body streamed as it comes, kept while it is sent: again only when
+    /// a peer refused it unprocessed, and all of it read so far was kept.
+    Replayable(crate::replay::Replay),
+    /// A body streamed as it comes, known to be too large to keep: sent
+    /// once.
     Once,
 }
 
@@ -105,12 +109,15 @@ async fn keep_if_retryable(
                 .exact()
                 .is_some_and(|n| n <= limit));
     if !retryable {
-        let resend = if ended {
-            Resend::Unprocessed
+        let cap = crate::retry::MAX_BODY;
+        return Ok(if ended {
+            (Resend::Unprocessed, Some(body))
+        } else if hyper::body::Body::size_hint(&body).lower() > cap {
+            (Resend::Once, Some(body))
         } else {
-            Resend::Once
-        };
-        return Ok((resend, Some(body)));
+            let (body, replay) = crate::replay::replayable(body, cap as usize);
+            (Resend::Replayable(replay), Some(body))
+        });
     }
     let bytes = body
         .collect()
@@ -273,6 +280,7 @@ impl Outbound {
                     (clone_parts(parts), crate::http::full(bytes.clone()))
                 }
                 (Resend::Unprocessed, _, Some(parts)) => (clone_parts(parts), crate::http::empty()),
+                (Resend::Replayable(_), Some(b), Some(parts)) => (clone_parts(parts), b),
                 (Resend::Once, Some(b), parts @ Some(_)) => {
                     (parts.take().expect("matched as Some"), b)
                 }
@@ -287,11 +295,20 @@ impl Outbound {
             };
             // A peer that refused the request unprocessed (draining, say)
             // never saw it: it goes out again whatever its method, once,
-            // outside the budget, when it still can (its body is not half
-            // streamed). Another endpoint is preferred; the same one will do
-            // on a fresh connection.
+            // outside the budget, when it still can (a streamed body only
+            // if all of it read so far was kept). Another endpoint is
+            // preferred; the same one will do on a fresh connection.
             if let Err(ProxyError::Unprocessed { addr, .. }) = &attempt {
-                if !replayed && !matches!(resend, Resend::Once) {
+                let can_go_again = !replayed
+                    && match &resend {
+                        Resend::Once => false,
+                        Resend::Replayable(replay) => {
+                            body = replay.again();
+                            body.is_some()
+                        }
+                        Resend::Retryable(_) | Resend::Unprocessed => true,
+                    };
+                if can_go_again {
                     replayed = true;
                     if !ctx.untried_left() {
                         let refused = *addr;
@@ -439,10 +456,11 @@ mod tests {
     }
 
     /// A request a peer refused unprocessed may go out again only if it
-    /// still can: without a body, or with one kept for retries; a body
-    /// streamed as it comes is sent once.
+    /// still can: without a body, with one kept for retries, or with one
+    /// streamed as it comes and kept while it is sent; a body known to be
+    /// larger than can be kept is sent once.
     #[tokio::test]
-    async fn only_a_request_whose_body_is_whole_may_go_out_again() {
+    async fn only_a_request_whose_body_can_be_had_again_may_go_out_again() {
         let post = head(http::Method::POST);
         let (resend, _) = keep_if_retryable(&post, crate::http::empty(), None)
             .await
@@ -455,6 +473,9 @@ mod tests {
             http_body_util::StreamBody::new(chunks).boxed()
         };
         let (resend, body) = keep_if_retryable(&post, streamed, None).await.unwrap();
+        assert!(matches!(resend, Resend::Replayable(_)) && body.is_some());
+        let too_large = crate::http::full(vec![0u8; crate::retry::MAX_BODY as usize + 1]);
+        let (resend, body) = keep_if_retryable(&post, too_large, None).await.unwrap();
         assert!(matches!(resend, Resend::Once) && body.is_some());
         let get = head(http::Method::GET);
         let (resend, _) = keep_if_retryable(&get, crate::http::empty(), None)
