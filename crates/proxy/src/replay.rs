@@ -26,10 +26,13 @@ struct Shared {
     inner: Body,
     /// The data frames read from `inner` so far, while they fit in `cap`.
     kept: Vec<Bytes>,
-    kept_bytes: usize,
+    /// What keeping costs: the frames' bytes and one [`FRAME_COST`] each,
+    /// so a body cut into tiny frames cannot keep more than the cap says.
+    kept_cost: usize,
     cap: usize,
-    /// More than `cap` was read (what was kept is dropped), or `inner`
-    /// failed: the body cannot be sent again.
+    /// More than `cap` was read (what was kept is dropped), `inner`
+    /// failed, or the [`Replay`] handle is gone: the body cannot be sent
+    /// again.
     spent: bool,
     /// `inner` has ended; its trailers, if it had any.
     ended: bool,
@@ -37,19 +40,29 @@ struct Shared {
     /// Which copy of the body may read on: a new one supersedes the ones
     /// before it (a refused attempt's stream may still hold its copy).
     current: u32,
+    /// The next kept frame the current copy sends (only the current copy
+    /// reads, so its progress lives here, where dropping the handle can
+    /// see whether the kept frames are all sent).
+    next: usize,
+    /// The current copy has sent the trailers (or the end).
+    trailers_sent: bool,
 }
+
+/// What one kept frame costs besides its bytes: its `Bytes` handle in
+/// `kept`.
+const FRAME_COST: usize = std::mem::size_of::<Bytes>();
 
 /// One copy of the body, as one attempt sends it.
 pub struct ReplayBody {
     shared: Arc<Mutex<Shared>>,
     copy: u32,
-    /// The next kept frame this copy sends.
-    next: usize,
-    trailers_sent: bool,
     size_hint: SizeHint,
 }
 
-/// What the request's route step keeps to send the body again.
+/// What the request's route step keeps to send the body again. Dropping
+/// it (the response head arrived, or the request failed) lets go of what
+/// was kept at once, not at the body's next frame: a long-lived stream
+/// whose client went quiet would hold it for its whole life.
 pub struct Replay {
     shared: Arc<Mutex<Shared>>,
     size_hint: SizeHint,
@@ -61,18 +74,18 @@ pub fn replayable(inner: Body, cap: usize) -> (Body, Replay) {
     let shared = Arc::new(Mutex::new(Shared {
         inner,
         kept: Vec::new(),
-        kept_bytes: 0,
+        kept_cost: 0,
         cap,
         spent: false,
         ended: false,
         trailers: None,
         current: 0,
+        next: 0,
+        trailers_sent: false,
     }));
     let body = ReplayBody {
         shared: shared.clone(),
         copy: 0,
-        next: 0,
-        trailers_sent: false,
         size_hint,
     };
     (
@@ -86,20 +99,39 @@ impl Replay {
     /// longer be had (more than the cap was read, or reading it failed).
     /// Every earlier copy stops: it fails if polled again.
     pub fn again(&self) -> Option<Body> {
-        let mut shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        let mut shared = lock(&self.shared);
         if shared.spent {
             return None;
         }
         shared.current += 1;
+        shared.next = 0;
+        shared.trailers_sent = false;
         let body = ReplayBody {
             shared: self.shared.clone(),
             copy: shared.current,
-            next: 0,
-            trailers_sent: false,
             size_hint: self.size_hint,
         };
         Some(http_body_util::BodyExt::boxed(body))
     }
+}
+
+impl Drop for Replay {
+    fn drop(&mut self) {
+        let mut shared = lock(&self.shared);
+        shared.spent = true;
+        // A copy still sending kept frames lets go of them once past
+        // them (in `poll_frame`).
+        if shared.next >= shared.kept.len() {
+            shared.let_go();
+        }
+    }
+}
+
+/// A panic while the lock was held left `Shared` consistent (no method
+/// leaves it half updated across a call that can panic), so a poisoned
+/// lock is taken as it is.
+fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
+    shared.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl hyper::body::Body for ReplayBody {
@@ -107,73 +139,61 @@ impl hyper::body::Body for ReplayBody {
     type Error = BodyError;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        let this = &mut *self;
-        // Only the handle can make another copy: without it, keeping is
-        // wasted.
-        let may_go_again = Arc::strong_count(&this.shared) > 1;
-        let mut shared = this.shared.lock().unwrap_or_else(|e| e.into_inner());
-        if shared.current != this.copy {
+        let mut shared = lock(&self.shared);
+        let shared = &mut *shared;
+        if shared.current != self.copy {
             return Poll::Ready(Some(Err("the request is being sent again".into())));
         }
-        if let Some(data) = shared.kept.get(this.next) {
-            this.next += 1;
-            return Poll::Ready(Some(Ok(Frame::data(data.clone()))));
+        if let Some(data) = shared.kept.get(shared.next) {
+            let data = data.clone();
+            shared.next += 1;
+            return Poll::Ready(Some(Ok(Frame::data(data))));
+        }
+        if shared.spent {
+            shared.let_go();
         }
         if shared.ended {
-            if !this.trailers_sent {
-                this.trailers_sent = true;
-                if let Some(trailers) = shared.trailers.clone() {
-                    return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
-                }
-            }
-            return Poll::Ready(None);
-        }
-        if !may_go_again && !shared.spent {
-            shared.spent = true;
-            shared.kept = Vec::new();
+            return Poll::Ready(shared.end());
         }
         let polled = Pin::new(&mut shared.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     shared.keep(data);
-                    this.next = shared.kept.len();
+                    shared.next = shared.kept.len();
                 } else if let Some(trailers) = frame.trailers_ref() {
                     if !shared.spent {
                         shared.trailers = Some(trailers.clone());
                     }
-                    this.trailers_sent = true;
+                    shared.trailers_sent = true;
                 }
             }
             Poll::Ready(Some(Err(_))) => {
                 shared.spent = true;
-                shared.kept = Vec::new();
+                shared.let_go();
             }
             Poll::Ready(None) => {
                 shared.ended = true;
-                // Trailers an earlier copy read from `inner` before it was
-                // superseded still go out, after this copy's data.
-                if !this.trailers_sent {
-                    this.trailers_sent = true;
-                    if let Some(trailers) = shared.trailers.clone() {
-                        return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
-                    }
-                }
+                return Poll::Ready(shared.end());
             }
             Poll::Pending => {}
         }
         polled
     }
 
+    /// Past the kept frames, the end is `inner`'s: hyper sets END_STREAM
+    /// on the last DATA frame only when the body says it ended there, so
+    /// waiting for `inner` to return `None` would cost every streamed
+    /// request (each gRPC call) an empty DATA frame more.
     fn is_end_stream(&self) -> bool {
-        let shared = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        let shared = lock(&self.shared);
         shared.current == self.copy
-            && self.next >= shared.kept.len()
-            && shared.ended
-            && (self.trailers_sent || shared.trailers.is_none())
+            && shared.next >= shared.kept.len()
+            && (shared.trailers_sent || shared.trailers.is_none())
+            && (shared.ended || shared.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -186,13 +206,30 @@ impl Shared {
         if self.spent {
             return;
         }
-        if self.kept_bytes + data.len() > self.cap {
+        let cost = data.len() + FRAME_COST;
+        if self.kept_cost + cost > self.cap {
             self.spent = true;
-            self.kept = Vec::new();
+            self.let_go();
             return;
         }
-        self.kept_bytes += data.len();
+        self.kept_cost += cost;
         self.kept.push(data.clone());
+    }
+
+    fn let_go(&mut self) {
+        self.kept = Vec::new();
+        self.next = 0;
+    }
+
+    /// The current copy's last frame: trailers an earlier copy read from
+    /// `inner` before it was superseded still go out, after this copy's
+    /// data.
+    fn end(&mut self) -> Option<Result<Frame<Bytes>, BodyError>> {
+        if self.trailers_sent {
+            return None;
+        }
+        self.trailers_sent = true;
+        self.trailers.clone().map(|t| Ok(Frame::trailers(t)))
     }
 }
 
@@ -288,5 +325,67 @@ mod tests {
         assert!(!second.is_end_stream(), "its kept frame is still to send");
         let (data, _) = read_all(second).await;
         assert_eq!(data, b"ab");
+    }
+
+    /// Once the request cannot go out again (its response head arrived),
+    /// what was kept goes at once: a stream whose client went quiet would
+    /// otherwise hold it as long as it lives.
+    #[tokio::test]
+    async fn dropping_the_handle_lets_go_of_what_was_kept() {
+        let (mut first, replay) = replayable(streamed(&["ab", "cd"], false), 1024);
+        assert!(first.frame().await.unwrap().is_ok());
+        let shared = replay.shared.clone();
+        assert_eq!(shared.lock().unwrap().kept.len(), 1);
+        drop(replay);
+        assert!(shared.lock().unwrap().kept.is_empty());
+        assert_eq!(read_all(first).await.0, b"cd");
+    }
+
+    /// A copy still sending kept frames when the handle goes sends them
+    /// all.
+    #[tokio::test]
+    async fn a_copy_sending_kept_frames_when_the_handle_goes_sends_them_all() {
+        let (mut first, replay) = replayable(streamed(&["ab", "cd", "ef"], false), 1024);
+        assert!(first.frame().await.unwrap().is_ok());
+        assert!(first.frame().await.unwrap().is_ok());
+        let mut second = replay.again().unwrap();
+        assert_eq!(
+            second.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "ab"
+        );
+        drop(replay);
+        assert_eq!(read_all(second).await.0, b"cdef");
+    }
+
+    /// hyper puts END_STREAM on the last DATA frame only when the body says
+    /// it ended there: a copy must say so as soon as its inner body does,
+    /// or each streamed request (every gRPC call) costs an empty DATA
+    /// frame more.
+    #[tokio::test]
+    async fn a_copy_ends_with_its_last_frame() {
+        let inner = http_body_util::Full::new(Bytes::from_static(b"ab"))
+            .map_err(|never| match never {})
+            .boxed();
+        let (mut first, replay) = replayable(inner, 1024);
+        assert!(!first.is_end_stream());
+        assert!(first.frame().await.unwrap().is_ok());
+        assert!(first.is_end_stream(), "the first copy ends with its frame");
+        let mut second = replay.again().unwrap();
+        assert!(!second.is_end_stream());
+        assert!(second.frame().await.unwrap().is_ok());
+        assert!(second.is_end_stream(), "so does a copy");
+    }
+
+    /// Each kept frame costs its handle as well as its bytes: a body cut
+    /// into 1-byte frames cannot make the proxy hold 32 times the cap.
+    #[tokio::test]
+    async fn tiny_frames_count_what_keeping_them_costs() {
+        let chunks = vec!["x"; 4096];
+        let (first, replay) = replayable(streamed(&chunks, false), 64 * 1024);
+        assert_eq!(read_all(first).await.0.len(), 4096);
+        assert!(
+            replay.again().is_none(),
+            "4096 frames cost more than 64 KiB"
+        );
     }
 }
