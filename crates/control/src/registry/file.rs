@@ -585,7 +585,7 @@ impl Loaded {
         let parts = endpoint_merge.sync(&contributing, listings_of);
         merged.duplicate_endpoints = endpoint_merge.duplicates();
         if merged.duplicate_endpoints > 0 {
-            merged.first_duplicate = endpoint_merge.first_duplicate();
+            merged.first_duplicate = endpoint_merge.first_duplicate(listings_of);
         }
         let mut routes: Vec<Route> = docs()
             .filter_map(|(path, doc)| match doc {
@@ -1840,6 +1840,24 @@ mod tests {
             assert_eq!(
                 index.service(&web()),
                 fresh.get(&web()).cloned(),
+                "round {round}"
+            );
+            // The duplicates reported: how many, and the first.
+            let fresh_registry = FileRegistry::new(in_force.path(), ControlMetrics::default());
+            let mut fresh = fresh_registry.loaded();
+            for path in fresh_registry.list().unwrap().into_keys() {
+                fresh.reload(&path, &fresh_registry.metrics);
+            }
+            let duplicates = |merged: Merged| {
+                let name = |p: PathBuf| p.file_name().unwrap().to_owned();
+                let first = merged
+                    .first_duplicate
+                    .map(|(addr, kept, ignored)| (addr, name(kept), name(ignored)));
+                (merged.duplicate_endpoints, first)
+            };
+            assert_eq!(
+                duplicates(loaded.merge(&web())),
+                duplicates(fresh.merge(&web())),
                 "round {round}"
             );
             for port in [80, 81] {
