@@ -10,9 +10,11 @@
 //! the request can no longer go out again (its route step returned, so the
 //! [`Replay`] handle is gone), the body stops keeping and lets go of what
 //! it kept: a long stream holds at most the cap, and only until its
-//! response head arrives.
+//! response head arrives; all bodies of the process together hold at most
+//! a budget (32 MiB).
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -30,6 +32,8 @@ struct Shared {
     /// so a body cut into tiny frames cannot keep more than the cap says.
     kept_cost: usize,
     cap: usize,
+    /// What all bodies of the process keep together.
+    budget: &'static KeptBudget,
     /// More than `cap` was read (what was kept is dropped), `inner`
     /// failed, or the [`Replay`] handle is gone: the body cannot be sent
     /// again.
@@ -52,6 +56,43 @@ struct Shared {
 /// `kept`.
 const FRAME_COST: usize = std::mem::size_of::<Bytes>();
 
+/// What the bodies of one process keep at once, all together: without it,
+/// every in-flight streamed request whose response head is late (a
+/// client-streaming gRPC call is answered only when its stream ends) holds
+/// up to the cap, and nothing but the connection cap (derived from the fd
+/// limit) times 100 streams bounds how many there are. A body that finds
+/// the budget spent is not kept: it is sent once, as before replays
+/// existed.
+pub struct KeptBudget {
+    kept: AtomicUsize,
+    max: usize,
+}
+
+impl KeptBudget {
+    pub const fn new(max: usize) -> Self {
+        Self {
+            kept: AtomicUsize::new(0),
+            max,
+        }
+    }
+
+    fn take(&self, cost: usize) -> bool {
+        self.kept
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |kept| {
+                kept.checked_add(cost).filter(|&total| total <= self.max)
+            })
+            .is_ok()
+    }
+
+    fn give_back(&self, cost: usize) {
+        self.kept.fetch_sub(cost, Ordering::AcqRel);
+    }
+}
+
+/// 512 bodies kept whole at once: far more than a peer's drain races, and
+/// a bound an operator can count on (32 MiB per proxy).
+static KEPT: KeptBudget = KeptBudget::new(512 * crate::retry::MAX_BODY as usize);
+
 /// One copy of the body, as one attempt sends it.
 pub struct ReplayBody {
     shared: Arc<Mutex<Shared>>,
@@ -70,12 +111,17 @@ pub struct Replay {
 
 /// The first copy of `inner`, and the handle that makes the next ones.
 pub fn replayable(inner: Body, cap: usize) -> (Body, Replay) {
+    replayable_within(inner, cap, &KEPT)
+}
+
+fn replayable_within(inner: Body, cap: usize, budget: &'static KeptBudget) -> (Body, Replay) {
     let size_hint = inner.size_hint();
     let shared = Arc::new(Mutex::new(Shared {
         inner,
         kept: Vec::new(),
         kept_cost: 0,
         cap,
+        budget,
         spent: false,
         ended: false,
         trailers: None,
@@ -132,6 +178,12 @@ impl Drop for Replay {
 /// lock is taken as it is.
 fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     shared.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.let_go();
+    }
 }
 
 impl hyper::body::Body for ReplayBody {
@@ -207,7 +259,7 @@ impl Shared {
             return;
         }
         let cost = data.len() + FRAME_COST;
-        if self.kept_cost + cost > self.cap {
+        if self.kept_cost + cost > self.cap || !self.budget.take(cost) {
             self.spent = true;
             self.let_go();
             return;
@@ -217,6 +269,8 @@ impl Shared {
     }
 
     fn let_go(&mut self) {
+        self.budget.give_back(self.kept_cost);
+        self.kept_cost = 0;
         self.kept = Vec::new();
         self.next = 0;
     }
@@ -386,6 +440,29 @@ mod tests {
         assert!(
             replay.again().is_none(),
             "4096 frames cost more than 64 KiB"
+        );
+    }
+
+    /// What bodies keep together is bounded: one that finds the budget
+    /// spent is sent once, and what a body kept is given back when it is
+    /// let go.
+    #[tokio::test]
+    async fn the_process_keeps_no_more_than_its_budget() {
+        static BUDGET: KeptBudget = KeptBudget::new(2 * (2 + FRAME_COST) + 1);
+        let (first, first_replay) =
+            replayable_within(streamed(&["ab", "cd"], false), 1024, &BUDGET);
+        assert_eq!(read_all(first).await.0, b"abcd");
+        let (second, second_replay) = replayable_within(streamed(&["ef"], false), 1024, &BUDGET);
+        assert_eq!(read_all(second).await.0, b"ef", "sent once all the same");
+        assert!(second_replay.again().is_none(), "nothing left to keep it");
+        let again = first_replay.again().expect("kept within the budget");
+        drop(first_replay);
+        assert_eq!(read_all(again).await.0, b"abcd");
+        let (third, third_replay) = replayable_within(streamed(&["gh"], false), 1024, &BUDGET);
+        assert_eq!(read_all(third).await.0, b"gh");
+        assert!(
+            third_replay.again().is_some(),
+            "the first body gave its share back"
         );
     }
 }
