@@ -155,14 +155,15 @@ impl<'a> IntoIterator for &'a EndpointList {
 impl std::ops::Index<usize> for EndpointList {
     type Output = EndpointSpec;
 
-    fn index(&self, mut i: usize) -> &EndpointSpec {
+    fn index(&self, index: usize) -> &EndpointSpec {
+        let mut i = index;
         for part in &self.parts {
             if i < part.len() {
                 return &part[i];
             }
             i -= part.len();
         }
-        panic!("endpoint {i} past the end of a list of {}", self.len)
+        panic!("endpoint {index} past the end of a list of {}", self.len)
     }
 }
 
