@@ -465,4 +465,28 @@ mod tests {
             "the first body gave its share back"
         );
     }
+
+    /// The inner body wakes whichever copy polled it last: a copy that
+    /// takes over while the one before waits on the client is woken when
+    /// the client's next frame comes (no request hung on a lost wake-up).
+    #[tokio::test]
+    async fn a_copy_that_takes_over_a_waiting_body_is_woken() {
+        let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Frame<Bytes>, BodyError>>();
+        tx.unbounded_send(Ok(Frame::data(Bytes::from_static(b"ab"))))
+            .unwrap();
+        let (mut first, replay) = replayable(http_body_util::StreamBody::new(rx).boxed(), 1024);
+        assert!(first.frame().await.unwrap().is_ok());
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        assert!(Pin::new(&mut first).poll_frame(&mut cx).is_pending());
+        let second = replay.again().unwrap();
+        let reader = tokio::spawn(read_all(second));
+        tokio::task::yield_now().await;
+        tx.unbounded_send(Ok(Frame::data(Bytes::from_static(b"cd"))))
+            .unwrap();
+        drop(tx);
+        let read = tokio::time::timeout(std::time::Duration::from_secs(30), reader)
+            .await
+            .expect("the copy was woken");
+        assert_eq!(read.unwrap().0, b"abcd");
+    }
 }
