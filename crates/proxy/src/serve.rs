@@ -387,7 +387,17 @@ where
         };
         // Once told to close, what `finish` bounds for HTTP/1.
         let cut_off = idle_for(&in_flight, limits.drain_timeout);
-        h2_server::serve(io, h2_limits, stream, closing, cut_off).await
+        let lingering = std::sync::Mutex::new(None);
+        let closing = async {
+            closing.await;
+            *lingering.lock().unwrap_or_else(|e| e.into_inner()) = socket.and_then(hold_socket);
+        };
+        let served = h2_server::serve(io, h2_limits, stream, closing, cut_off).await;
+        let held = lingering.into_inner().unwrap_or_else(|e| e.into_inner());
+        if let Some(held) = held {
+            linger(held).await;
+        }
+        served
     } else {
         let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
             let (handling, guard) = start(req.map(RequestBody::Http1));
@@ -426,6 +436,48 @@ where
     if let Err(e) = result {
         tracing::debug!(error = %e, "HTTP connection ended with an error");
     }
+}
+
+/// How long a connection closed after its GOAWAY reads what the client
+/// still sends before the socket goes.
+const LINGER: Duration = Duration::from_secs(1);
+/// What it reads at most meanwhile.
+const LINGER_BYTES: usize = 256 * 1024;
+
+/// The socket under a connection about to close, held past h2's own
+/// close: h2 sends its last GOAWAY (naming the last stream it processed)
+/// and closes at once, and requests the client sent meanwhile, still
+/// unread, make the kernel answer with a reset, which discards the GOAWAY
+/// before the client reads it. The client then cannot tell those requests
+/// were never processed (it fails them instead of sending them again).
+fn hold_socket(fd: std::os::fd::RawFd) -> Option<tokio::net::TcpStream> {
+    // SAFETY: the fd is the accepted socket, owned by the connection's
+    // stream, which is alive while the connection is served (this runs
+    // from inside it); the duplicate owns itself.
+    let owned = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }
+        .try_clone_to_owned()
+        .ok()?;
+    let socket = std::net::TcpStream::from(owned);
+    socket.set_nonblocking(true).ok()?;
+    tokio::net::TcpStream::from_std(socket).ok()
+}
+
+/// Reads (and drops) what the client still sends, until it closes, for
+/// at most [`LINGER`] and [`LINGER_BYTES`]: h2 has shut the write side,
+/// so the client reads the GOAWAY and then the end.
+async fn linger(mut socket: tokio::net::TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let drain = async {
+        let mut buf = [0u8; 4096];
+        let mut read = 0;
+        while read < LINGER_BYTES {
+            match socket.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => read += n,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER, drain).await;
 }
 
 static STALL_LOG: tether_core::log_limit::LogLimit =
