@@ -122,7 +122,16 @@ impl Probes {
                 continue;
             };
             let event = format!("{event}_{ino}");
-            add_probe(&exe, &group, &event, &symbol)?;
+            // A binary laid out again by BOLT keeps the symbol but not
+            // always what `perf probe` needs to place a probe in it: its
+            // timers go uncounted, its allocations still count.
+            if let Err(e) = add_probe(&exe, &group, &event, &symbol) {
+                eprintln!(
+                    "--allocs: {} not counted in this binary: {e:#}",
+                    KINDS[kind]
+                );
+                continue;
+            }
             events.push((format!("{group}:{event}"), kind));
             if !self.groups.contains(&group) {
                 self.groups.push(group.clone());
