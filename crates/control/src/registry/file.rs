@@ -1867,6 +1867,125 @@ mod tests {
         }
     }
 
+    /// Files with several documents for the service, another service's
+    /// endpoints beside them, files over the size limit, files removed and
+    /// written back, in a seeded random order: after every change the
+    /// merged service and the duplicates reported are what a fresh read of
+    /// the files in force gives, and the merge's bookkeeping is no bigger
+    /// than a fresh merge's (nothing kept for listings, files or services
+    /// that are gone); with every file removed, nothing is kept.
+    #[test]
+    fn incremental_bookkeeping_is_what_a_fresh_merge_keeps() {
+        let dir = tempfile::tempdir().unwrap();
+        let in_force = tempfile::tempdir().unwrap();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |below: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % below
+        };
+        let names = ["a.yaml", "b.yaml", "c.yaml", "d.yaml", "e.yaml"];
+        let (mut loaded, index, metrics) = load_in_order(dir.path(), &[]);
+        let listings = |service: &str, next: &mut dyn FnMut(u64) -> u64| {
+            let mut text = format!("kind: Endpoints\nservice: {service}\nendpoints:\n");
+            for _ in 0..next(30) {
+                let port = ["", ", port: 80", ", port: 81"][next(3) as usize];
+                text += &format!(
+                    "- {{address: 127.0.0.{}:80, weight: {}{port}}}\n",
+                    next(40),
+                    1 + next(3)
+                );
+            }
+            text
+        };
+        let bookkeeping =
+            |loaded: &Loaded| loaded.merges.get(&web()).map(EndpointMerge::bookkeeping);
+        // Rounds that saw endpoints merged, duplicates, a refused file.
+        let (mut served, mut duplicated, mut refused) = (0, 0, 0);
+        for round in 0..300 {
+            let name = names[next(names.len() as u64) as usize];
+            let path = dir.path().join(name);
+            match next(10) {
+                0 | 1 => {
+                    let _ = std::fs::remove_file(&path);
+                    let _ = std::fs::remove_file(in_force.path().join(name));
+                }
+                2 => {
+                    // Over the limit: refused, its last good version stays.
+                    if path.exists() {
+                        refused += 1;
+                        let big = std::fs::File::options().append(true).open(&path).unwrap();
+                        big.set_len(MAX_FILE_BYTES + 1).unwrap();
+                    }
+                }
+                n => {
+                    let mut text = String::new();
+                    if n == 3 {
+                        text = format!("{}---\n", service(80));
+                    }
+                    text += &listings("web", &mut next);
+                    if next(2) == 0 {
+                        text += "---\n";
+                        text += &listings("api", &mut next);
+                    }
+                    if next(2) == 0 {
+                        text += "---\n";
+                        text += &listings("web", &mut next);
+                    }
+                    write(dir.path(), name, &text);
+                    write(in_force.path(), name, &text);
+                }
+            }
+            apply(
+                &mut loaded,
+                [path],
+                &index,
+                &metrics,
+                std::time::Instant::now(),
+            );
+            let fresh_registry = FileRegistry::new(in_force.path(), ControlMetrics::default());
+            let mut fresh = fresh_registry.loaded();
+            for path in fresh_registry.list().unwrap().into_keys() {
+                fresh.reload(&path, &fresh_registry.metrics);
+            }
+            let merged = |merged: Merged| {
+                let name = |p: PathBuf| p.file_name().unwrap().to_owned();
+                let first = merged
+                    .first_duplicate
+                    .map(|(addr, kept, ignored)| (addr, name(kept), name(ignored)));
+                (merged.state, merged.duplicate_endpoints, first)
+            };
+            let fresh_merged = merged(fresh.merge(&web()));
+            assert_eq!(
+                index.service(&web()),
+                fresh_merged.0.clone(),
+                "round {round}"
+            );
+            assert_eq!(merged(loaded.merge(&web())), fresh_merged, "round {round}");
+            assert_eq!(bookkeeping(&loaded), bookkeeping(&fresh), "round {round}");
+            served += usize::from(fresh_merged.0.is_some_and(|s| !s.endpoints.is_empty()));
+            duplicated += usize::from(fresh_merged.1 > 0);
+        }
+        assert!(
+            served > 100 && duplicated > 100 && refused > 10,
+            "{served} {duplicated} {refused}"
+        );
+        for name in names {
+            let path = dir.path().join(name);
+            let _ = std::fs::remove_file(&path);
+            apply(
+                &mut loaded,
+                [path],
+                &index,
+                &metrics,
+                std::time::Instant::now(),
+            );
+        }
+        assert!(loaded.merges.is_empty());
+        assert!(loaded.files.is_empty() && loaded.mentions.is_empty());
+    }
+
     mod properties {
         use super::*;
         use proptest::prelude::*;

@@ -343,6 +343,19 @@ impl EndpointMerge {
         listings.more.insert(at, listing);
     }
 
+    /// What the merge keeps: parts, file ids, addresses, and listings of
+    /// an address beyond its first.
+    #[cfg(test)]
+    pub(super) fn bookkeeping(&self) -> (usize, usize, usize, usize) {
+        let more = self.listings.values().map(|l| l.more.len()).sum();
+        (
+            self.parts.len(),
+            self.paths.len(),
+            self.listings.len(),
+            more,
+        )
+    }
+
     /// How many listings an earlier one overrides, in every file.
     pub(super) fn duplicates(&self) -> usize {
         self.parts.values().map(|p| p.dropped).sum()
