@@ -458,10 +458,17 @@ fn spread(
     if pairs.len() < 2 {
         return String::new();
     }
-    let ratios: Vec<f64> = pairs.iter().map(|(t, h)| ratio(*t, *h)).collect();
+    let ratios: Vec<f64> = pairs
+        .iter()
+        .map(|(t, h)| ratio(*t, *h))
+        .filter(|r| r.is_finite())
+        .collect();
+    let met = pairs.iter().filter(|(t, h)| pass(*t, *h)).count();
+    if ratios.is_empty() {
+        return format!("  reps: {met} of {} met", pairs.len());
+    }
     let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let met = pairs.iter().filter(|(t, h)| pass(*t, *h)).count();
     format!("  reps {lo:.2}-{hi:.2}, {met} of {} met", pairs.len())
 }
 
@@ -1688,10 +1695,19 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
                         what,
                         ratio,
                         added_t <= added_h,
+                        // A repetition where HAProxy added ~nothing has no
+                        // meaningful ratio (it would be thousands): it only
+                        // counts as met or not.
                         spread(
                             &added(t),
                             &added(h),
-                            |t, h| t.max(0.001) / h.max(0.001),
+                            |t, h| {
+                                if h < MEANINGFUL_ADDED_MS {
+                                    f64::NAN
+                                } else {
+                                    t.max(0.0) / h
+                                }
+                            },
                             |t, h| t <= h,
                         ),
                     );
@@ -1816,5 +1832,10 @@ mod tests {
         );
         // One repetition says nothing about a spread.
         assert_eq!(spread(&t[..1], &h, |t, h| t / h, |t, h| t <= h), "");
+        // Repetitions without a meaningful ratio are only counted.
+        assert_eq!(
+            spread(&t, &h, |_, _| f64::NAN, |t, h| t <= h),
+            "  reps: 2 of 3 met"
+        );
     }
 }
