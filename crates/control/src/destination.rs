@@ -1527,20 +1527,14 @@ mod tests {
     fn changes_are_what_a_set_comparison_finds() {
         // Pseudo-random sets over a small address space, so they overlap
         // and share entries whose metadata differs.
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
-        let set = |next: &mut dyn FnMut() -> u64| {
-            let n = next() % 40;
+        let mut next = crate::test_rng(0x2545_f491_4f6c_dd1d);
+        let set = |next: &mut dyn FnMut(u64) -> u64| {
+            let n = next(40);
             let map: BTreeMap<SocketAddr, EndpointMeta> = (0..n)
                 .map(|_| {
-                    let port = (next() % 64) as u16 + 1;
+                    let port = next(64) as u16 + 1;
                     let meta = EndpointMeta {
-                        weight: (next() % 2) as u32 + 1,
+                        weight: next(2) as u32 + 1,
                         ..meta()
                     };
                     (SocketAddr::from(([127, 0, 0, 1], port)), meta)

@@ -507,16 +507,6 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
-    /// xorshift: the same sequence on every run.
-    fn rng(mut seed: u64) -> impl FnMut(u64) -> u64 {
-        move |below| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % below
-        }
-    }
-
     fn meta(weight: u32) -> EndpointMeta {
         EndpointMeta {
             weight,
@@ -550,7 +540,7 @@ mod tests {
     /// batch does not touch stay shared.
     #[test]
     fn changes_apply_as_to_a_map_and_share_what_they_do_not_touch() {
-        let mut next = rng(0x9e37_79b9_7f4a_7c15);
+        let mut next = crate::test_rng(0x9e37_79b9_7f4a_7c15);
         for round in 0..60 {
             let space = [40, 600, 3_000][round % 3];
             let mut model: BTreeMap<SocketAddr, EndpointMeta> = (0..next(space))

@@ -1028,13 +1028,7 @@ mod tests {
     fn slots_updated_from_changes_match_a_full_rebuild() {
         let index = Index::new(ControlMetrics::default());
         let key = ServiceKey::new("web", "demo");
-        let mut seed = 0x853c_49e6_748f_ea9bu64;
-        let mut next = move |below: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % below
-        };
+        let mut next = crate::test_rng(0x853c_49e6_748f_ea9b);
         let mut serial = 0u32;
         // Only the first two parts name their endpoints: a change to the
         // others leaves the service's workloads as they were.

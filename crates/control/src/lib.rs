@@ -35,3 +35,15 @@ pub mod server;
 
 pub use registry::source::RegistrySource;
 pub use server::{run, ConfigError, ControlConfig, ControlError};
+
+/// xorshift for the randomised tests: the same sequence on every run;
+/// each call gives a number below its argument.
+#[cfg(test)]
+pub(crate) fn test_rng(mut seed: u64) -> impl FnMut(u64) -> u64 {
+    move |below| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % below
+    }
+}

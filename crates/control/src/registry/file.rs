@@ -1787,13 +1787,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // The files in force: a bad file's last good version.
         let in_force = tempfile::tempdir().unwrap();
-        let mut seed = 0xda94_2042_e4dd_58b5u64;
-        let mut next = move |below: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % below
-        };
+        let mut next = crate::test_rng(0xda94_2042_e4dd_58b5);
         let names = ["a.yaml", "b.yaml", "c.yaml", "d.yaml", "e.yaml", "f.yaml"];
         let (mut loaded, index, metrics) = load_in_order(dir.path(), &[]);
         let slot = crate::index::SlotKey::Service(web());
@@ -1878,13 +1872,7 @@ mod tests {
     fn incremental_bookkeeping_is_what_a_fresh_merge_keeps() {
         let dir = tempfile::tempdir().unwrap();
         let in_force = tempfile::tempdir().unwrap();
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move |below: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % below
-        };
+        let mut next = crate::test_rng(0x2545_f491_4f6c_dd1d);
         let names = ["a.yaml", "b.yaml", "c.yaml", "d.yaml", "e.yaml"];
         let (mut loaded, index, metrics) = load_in_order(dir.path(), &[]);
         let listings = |service: &str, next: &mut dyn FnMut(u64) -> u64| {
