@@ -1546,16 +1546,7 @@ mod tests {
             let (old, new) = (set(&mut next), set(&mut next));
             let (removed, added) =
                 EndpointSet::from(new.clone()).changes_from(&EndpointSet::from(old.clone()));
-            let want_removed: Vec<SocketAddr> = old
-                .keys()
-                .filter(|a| !new.contains_key(a))
-                .copied()
-                .collect();
-            let want_added: Vec<SocketAddr> = new
-                .iter()
-                .filter(|(a, m)| old.get(a) != Some(m))
-                .map(|(a, _)| *a)
-                .collect();
+            let (want_removed, want_added) = crate::endpoints::expected_changes(&old, &new);
             assert_eq!(removed, want_removed, "{old:?} -> {new:?}");
             assert_eq!(added, want_added, "{old:?} -> {new:?}");
         }

@@ -502,6 +502,27 @@ impl std::fmt::Debug for EndpointSet {
     }
 }
 
+/// What [`EndpointSet::changes_from`] must say between two plain maps:
+/// the addresses gone, and those new or with other metadata, for the tests
+/// that check it.
+#[cfg(test)]
+pub(crate) fn expected_changes(
+    old: &std::collections::BTreeMap<SocketAddr, EndpointMeta>,
+    new: &std::collections::BTreeMap<SocketAddr, EndpointMeta>,
+) -> (Vec<SocketAddr>, Vec<SocketAddr>) {
+    let removed = old
+        .keys()
+        .filter(|a| !new.contains_key(a))
+        .copied()
+        .collect();
+    let added = new
+        .iter()
+        .filter(|(a, m)| old.get(a) != Some(m))
+        .map(|(a, _)| *a)
+        .collect();
+    (removed, added)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -579,16 +600,7 @@ mod tests {
 
                 let (old_set, old_model) = before;
                 let (removed, added) = set.changes_from(&old_set);
-                let want_removed: Vec<SocketAddr> = old_model
-                    .keys()
-                    .filter(|a| !model.contains_key(a))
-                    .copied()
-                    .collect();
-                let want_added: Vec<SocketAddr> = model
-                    .iter()
-                    .filter(|(a, m)| old_model.get(a) != Some(m))
-                    .map(|(a, _)| *a)
-                    .collect();
+                let (want_removed, want_added) = expected_changes(&old_model, &model);
                 assert_eq!(removed, want_removed);
                 assert_eq!(added, want_added);
                 assert_eq!(set == old_set, old_model == model);

@@ -1000,19 +1000,11 @@ mod tests {
         let index = Index::new(ControlMetrics::default());
         let key = ServiceKey::new("web", "demo");
         index.set_service(&key, Some(service(vec![endpoint("127.0.0.1:1", true)])));
-        let built = || {
-            index
-                .inner
-                .lock()
-                .unwrap()
-                .snapshots_built
-                .load(std::sync::atomic::Ordering::Relaxed)
-        };
         let slot = SlotKey::Service(key.clone());
         let first = index.subscribe(&slot, 80);
-        let before = built();
+        let before = index.snapshots_built();
         let others: Vec<_> = (0..3).map(|_| index.subscribe(&slot, 80)).collect();
-        assert_eq!(built(), before);
+        assert_eq!(index.snapshots_built(), before);
         for other in &others {
             assert!(Arc::ptr_eq(&other.borrow(), &first.borrow()));
         }
@@ -1070,14 +1062,6 @@ mod tests {
             name: "pod-7".into(),
         };
         let labels = index.watch_workload(&workload);
-        let built = || {
-            index
-                .inner
-                .lock()
-                .unwrap()
-                .snapshots_built
-                .load(std::sync::atomic::Ordering::Relaxed)
-        };
         let mut incremental = 0;
         for round in 0..300 {
             let i = next(parts.len() as u64) as usize;
@@ -1107,10 +1091,14 @@ mod tests {
             }
             shared[i] = parts[i].clone().into();
             two_ports ^= port_change;
-            let before = built();
+            let before = index.snapshots_built();
             index.set_service(&key, Some(state(&shared, two_ports)));
             if !port_change {
-                assert_eq!(built(), before, "round {round}: a snapshot was built");
+                assert_eq!(
+                    index.snapshots_built(),
+                    before,
+                    "round {round}: a snapshot was built"
+                );
                 incremental += 1;
             }
             for port in [80, 81] {

@@ -1777,6 +1777,25 @@ mod tests {
         assert!(agrees);
     }
 
+    /// The files in `dir` merged from scratch, as a fresh start reads them.
+    fn fresh_merge(dir: &Path) -> Loaded {
+        let registry = FileRegistry::new(dir, ControlMetrics::default());
+        let mut fresh = registry.loaded();
+        for path in registry.list().unwrap().into_keys() {
+            fresh.reload(&path, &registry.metrics);
+        }
+        fresh
+    }
+
+    /// A first duplicate with its files by name (the directories differ
+    /// between an incremental and a fresh merge).
+    fn named(
+        first: Option<(SocketAddr, PathBuf, PathBuf)>,
+    ) -> Option<(SocketAddr, std::ffi::OsString, std::ffi::OsString)> {
+        let name = |p: PathBuf| p.file_name().unwrap().to_owned();
+        first.map(|(addr, kept, ignored)| (addr, name(kept), name(ignored)))
+    }
+
     /// Files that overlap (addresses listed by several, per-port and
     /// all-port listings, a second definition of the service, bad files,
     /// files removed) changed one at a time in a seeded random order: after
@@ -1837,18 +1856,9 @@ mod tests {
                 "round {round}"
             );
             // The duplicates reported: how many, and the first.
-            let fresh_registry = FileRegistry::new(in_force.path(), ControlMetrics::default());
-            let mut fresh = fresh_registry.loaded();
-            for path in fresh_registry.list().unwrap().into_keys() {
-                fresh.reload(&path, &fresh_registry.metrics);
-            }
-            let duplicates = |merged: Merged| {
-                let name = |p: PathBuf| p.file_name().unwrap().to_owned();
-                let first = merged
-                    .first_duplicate
-                    .map(|(addr, kept, ignored)| (addr, name(kept), name(ignored)));
-                (merged.duplicate_endpoints, first)
-            };
+            let mut fresh = fresh_merge(in_force.path());
+            let duplicates =
+                |merged: Merged| (merged.duplicate_endpoints, named(merged.first_duplicate));
             assert_eq!(
                 duplicates(loaded.merge(&web())),
                 duplicates(fresh.merge(&web())),
@@ -1932,16 +1942,9 @@ mod tests {
                 &metrics,
                 std::time::Instant::now(),
             );
-            let fresh_registry = FileRegistry::new(in_force.path(), ControlMetrics::default());
-            let mut fresh = fresh_registry.loaded();
-            for path in fresh_registry.list().unwrap().into_keys() {
-                fresh.reload(&path, &fresh_registry.metrics);
-            }
+            let mut fresh = fresh_merge(in_force.path());
             let merged = |merged: Merged| {
-                let name = |p: PathBuf| p.file_name().unwrap().to_owned();
-                let first = merged
-                    .first_duplicate
-                    .map(|(addr, kept, ignored)| (addr, name(kept), name(ignored)));
+                let first = named(merged.first_duplicate);
                 (merged.state, merged.duplicate_endpoints, first)
             };
             let fresh_merged = merged(fresh.merge(&web()));
