@@ -19,7 +19,7 @@
 //! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
 //!          [--perf DIR] [--syscalls] [--allocs] [--compare-h1] [--haproxy-mtls]
-//!          [--tether-proxy PATH] [--protocol http1|http2|grpc] [--netns]
+//!          [--tether-proxy PATH] [--protocol http1|http2|grpc] [--netns] [--callgrind DIR]
 //!
 //! The Tether pairs run `tether-proxy`, the proxy-only binary (`--tether-proxy
 //! PATH`; default: beside `--tether`); `--compare target/release/tether`
@@ -68,10 +68,16 @@
 //! a client pod and a server pod per route (network namespaces joined to
 //! the root namespace by veths), the Tether pods intercepted by `tether
 //! init`, the load dialing the service's cluster IP; see `netns.rs`.
+//!
+//! `--callgrind DIR` runs every proxy under callgrind and prints the
+//! user-space instructions each executes per request (first repetition's
+//! open-loop runs): a figure the machine's load does not move, for
+//! comparing builds; see `callgrind.rs`.
 
 #![forbid(unsafe_code)]
 
 mod alloc_probes;
+mod callgrind;
 mod netns;
 
 use std::net::{IpAddr, SocketAddr};
@@ -115,6 +121,9 @@ struct Args {
     /// Every route in its own pair of pod network namespaces, the Tether
     /// pods behind `tether init`'s iptables redirect (see `netns.rs`).
     netns: bool,
+    /// Every proxy runs under callgrind, its dumps here; the first
+    /// repetition counts instructions per request (see `callgrind.rs`).
+    callgrind: Option<PathBuf>,
 }
 
 /// One pair of Tether proxies to measure.
@@ -199,7 +208,8 @@ const USAGE: &str = "\
 usage: proxy-latency [--tether PATH] [--tether-proxy PATH] [--rates 1000,5000] [--seconds 5]
                      [--reps 3] [--concurrency 32] [--proxy-arg ARG]... [--compare BINARY]...
                      [--compare-threads N]... [--compare-h1] [--haproxy-mtls] [--syscalls]
-                     [--allocs] [--perf DIR] [--protocol http1|http2|grpc] [--netns]
+                     [--allocs] [--perf DIR] [--callgrind DIR] [--protocol http1|http2|grpc]
+                     [--netns]
 The flags and what each figure means: docs/benchmarks.md.";
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -220,6 +230,7 @@ fn parse_args() -> anyhow::Result<Args> {
         haproxy_mtls: false,
         protocol: "http1".to_string(),
         netns: false,
+        callgrind: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -265,6 +276,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--compare" => args.compare.push(value.into()),
             "--compare-threads" => args.compare_threads.push(value),
             "--perf" => args.perf = Some(value.into()),
+            "--callgrind" => args.callgrind = Some(value.into()),
             "--protocol" => args.protocol = value,
             other => bail!("unknown flag {other}\n{USAGE}"),
         }
@@ -280,6 +292,9 @@ fn parse_args() -> anyhow::Result<Args> {
     }
     if !(1..=20).contains(&args.reps) {
         bail!("--reps must be in 1..=20");
+    }
+    if args.callgrind.is_some() && args.netns {
+        bail!("--callgrind runs over loopback only: drop --netns");
     }
     Ok(args)
 }
@@ -389,6 +404,9 @@ struct Samples {
     /// Per rate, per proxy: allocations and timers per request by kind
     /// (`--allocs`, first repetition).
     allocs: Vec<Vec<[Option<f64>; 3]>>,
+    /// Per rate, per proxy: user-space instructions per request
+    /// (`--callgrind`, first repetition).
+    instructions: Vec<Vec<f64>>,
 }
 
 /// The medians over repetitions.
@@ -611,6 +629,7 @@ async fn haproxy_pair(
     backend: SocketAddr,
     mtls: bool,
     pods: Option<&(netns::Pod, netns::Pod)>,
+    callgrind: Option<&Path>,
 ) -> anyhow::Result<(Vec<u32>, Vec<tokio::process::Child>)> {
     let (bind_opts, server_opts) = if mtls {
         let (ca, server, client) = haproxy_certificates(dir)?;
@@ -648,9 +667,15 @@ async fn haproxy_pair(
         let file = format!("{name}-{side}");
         let conf = dir.join(format!("{file}.cfg"));
         std::fs::write(&conf, haproxy_config(listen, next, bind, server))?;
+        let argv = vec!["-db".to_string(), "-f".into(), conf.display().to_string()];
+        let (program, argv) = match callgrind {
+            Some(out) => callgrind::wrap(out, Path::new("haproxy"), argv),
+            None => (PathBuf::from("haproxy"), argv),
+        };
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
         let child = spawn_peer(
-            "haproxy",
-            &["-db", "-f", &conf.display().to_string()],
+            &program.display().to_string(),
+            &argv,
             &dir.join(format!("{file}.log")),
             pod,
         )?;
@@ -695,7 +720,13 @@ fn nginx_config(dir: &Path, listen: SocketAddr) -> String {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = parse_args()?;
+    let mut args = parse_args()?;
+    if let Some(out) = &mut args.callgrind {
+        ensure_installed("valgrind", "valgrind")?;
+        std::fs::create_dir_all(&*out)?;
+        // The proxies write their dumps there, whatever their directory.
+        *out = std::path::absolute(&*out)?;
+    }
     if args.netns {
         netns::preflight(ensure_installed)?;
     }
@@ -794,8 +825,16 @@ async fn main() -> anyhow::Result<()> {
             ),
             None => loopback_ports,
         };
-        let (pids, children) =
-            haproxy_pair(&dir, file, listen, backend, mtls, pods(k).as_ref()).await?;
+        let (pids, children) = haproxy_pair(
+            &dir,
+            file,
+            listen,
+            backend,
+            mtls,
+            pods(k).as_ref(),
+            args.callgrind.as_deref(),
+        )
+        .await?;
         backends.peers.extend(children);
         routes.push(Route {
             name: s(name),
@@ -929,16 +968,17 @@ async fn main() -> anyhow::Result<()> {
             let exe = variant.proxy.exe();
             // In a pod: `ip netns exec` and `setpriv` exec the proxy, so
             // the pid is the proxy's (checked below).
-            let (program, argv) = match pod {
-                Some(pod) => {
+            let (program, argv) = match (pod, &args.callgrind) {
+                (Some(pod), _) => {
                     let mut full = pod.exec_as_proxy(&exe.display().to_string());
                     full.extend(argv);
-                    (Path::new("ip"), full)
+                    (PathBuf::from("ip"), full)
                 }
-                None => (exe, argv),
+                (None, Some(out)) => callgrind::wrap(out, exe, argv),
+                (None, None) => (exe.to_path_buf(), argv),
             };
             let started = Instant::now();
-            let p = Process::spawn(program, &name, &argv, &log(&name), expect).await?;
+            let p = Process::spawn(&program, &name, &argv, &log(&name), expect).await?;
             wait_ready_fine(p.addr("admin")).await?;
             if variant.tls {
                 start_up.push((format!("{} {role}", variant.name), started.elapsed()));
@@ -1050,6 +1090,7 @@ async fn main() -> anyhow::Result<()> {
             fixed: vec![Vec::new(); args.rates.len()],
             syscalls: vec![Vec::new(); args.rates.len()],
             allocs: vec![Vec::new(); args.rates.len()],
+            instructions: vec![Vec::new(); args.rates.len()],
             ..Samples::default()
         })
         .collect();
@@ -1069,8 +1110,18 @@ async fn main() -> anyhow::Result<()> {
                 let perf = profile(&args, rep, r, &rate.to_string())?;
                 let counting = count_syscalls(&args, rep, r, &dir)?;
                 let allocs = count_allocs(&args, rep, r, &dir, &mut probes)?;
+                let counting_instructions = args.callgrind.as_deref().filter(|_| rep == 0);
+                if counting_instructions.is_some() {
+                    callgrind::zero(&r.pids)?;
+                }
                 let report = load(&args, r, Some(rate), args.seconds)?;
                 let sent = report["sent"].as_f64().unwrap_or(1.0).max(1.0);
+                if let Some(out) = counting_instructions {
+                    sample.instructions[ri] = callgrind::dump(out, &r.pids)?
+                        .into_iter()
+                        .map(|n| n as f64 / sent)
+                        .collect();
+                }
                 let sched_after = sched(r);
                 sample.allocs[ri].extend(
                     allocs
@@ -1132,6 +1183,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if args.allocs {
         report_allocs(&args, &routes, &samples);
+    }
+    if args.callgrind.is_some() {
+        report_instructions(&args, &routes, &samples);
     }
     println!("\nstart-up, from spawn to /ready 200 with a certificate (Certify included):");
     for (name, took) in &start_up {
@@ -1551,6 +1605,34 @@ fn report_allocs(args: &Args, routes: &[Route], samples: &[Samples]) {
             println!(
                 "  {:<12} {:>17} {:>17} {:>17}",
                 r.name, cells[0], cells[1], cells[2]
+            );
+        }
+    }
+}
+
+fn report_instructions(args: &Args, routes: &[Route], samples: &[Samples]) {
+    let pair = |s: &Samples, ri: usize| s.instructions[ri].iter().sum::<f64>();
+    let haproxy = routes.iter().position(|r| r.name == "haproxy");
+    for (ri, rate) in args.rates.iter().enumerate() {
+        println!(
+            "\nuser-space instructions per request at {rate} req/s (callgrind, first repetition):"
+        );
+        println!(
+            "  {:<12} {:>10} {:>10} {:>10} {:>12}",
+            "", "client", "server", "pair", "vs haproxy"
+        );
+        for (r, s) in routes.iter().zip(samples) {
+            let [client, server] = s.instructions[ri][..] else {
+                continue;
+            };
+            let vs = haproxy
+                .map(|h| pair(&samples[h], ri))
+                .filter(|h| *h > 0.0)
+                .map_or(String::new(), |h| format!("{:.2}", pair(s, ri) / h));
+            println!(
+                "  {:<12} {client:>10.0} {server:>10.0} {:>10.0} {vs:>12}",
+                r.name,
+                client + server
             );
         }
     }
