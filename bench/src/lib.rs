@@ -7,6 +7,8 @@
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ProcUsage {
     pub cpu_seconds: f64,
+    /// The user-space part of `cpu_seconds` (the rest is the kernel's).
+    pub user_seconds: f64,
     pub rss_kib: u64,
     pub peak_rss_kib: u64,
 }
@@ -49,6 +51,7 @@ pub fn proc_usage(pid: u32) -> ProcUsage {
     };
     ProcUsage {
         cpu_seconds: (ticks(11) + ticks(12)) / 100.0,
+        user_seconds: ticks(11) / 100.0,
         rss_kib: kib("VmRSS:"),
         peak_rss_kib: kib("VmHWM:"),
     }

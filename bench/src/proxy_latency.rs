@@ -383,6 +383,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 struct Fixed {
     p: [f64; 3],
     cpu_per_k: f64,
+    /// The user-space part of `cpu_per_k` (the rest is the kernel's).
+    user_per_k: f64,
     /// Per request, both proxies: µs runnable but waiting for a CPU, and
     /// times put on a CPU (wake-ups).
     wait_us: f64,
@@ -433,6 +435,7 @@ impl Samples {
             .map(|reps| Fixed {
                 p: [0, 1, 2].map(|i| median(reps.iter().map(|r| r.p[i]).collect())),
                 cpu_per_k: median(reps.iter().map(|r| r.cpu_per_k).collect()),
+                user_per_k: median(reps.iter().map(|r| r.user_per_k).collect()),
                 wait_us: median(reps.iter().map(|r| r.wait_us).collect()),
                 slices: median(reps.iter().map(|r| r.slices).collect()),
             })
@@ -1045,6 +1048,12 @@ async fn main() -> anyhow::Result<()> {
             .map(|p| tether_bench::proc_usage(*p).cpu_seconds)
             .sum::<f64>()
     };
+    let user = |r: &Route| {
+        r.pids
+            .iter()
+            .map(|p| tether_bench::proc_usage(*p).user_seconds)
+            .sum::<f64>()
+    };
     let sched = |r: &Route| {
         r.pids.iter().map(|p| tether_bench::sched(*p)).fold(
             tether_bench::Sched::default(),
@@ -1106,6 +1115,7 @@ async fn main() -> anyhow::Result<()> {
                 // Read outside the measured window: a scrape costs CPU.
                 let counted = counts(r).await?;
                 let before = cpu(r);
+                let user_before = user(r);
                 let sched_before = sched(r);
                 let perf = profile(&args, rep, r, &rate.to_string())?;
                 let counting = count_syscalls(&args, rep, r, &dir)?;
@@ -1143,6 +1153,7 @@ async fn main() -> anyhow::Result<()> {
                         f(&report, "p999_ms"),
                     ],
                     cpu_per_k: per_k(cpu(r) - before, &report),
+                    user_per_k: per_k(user(r) - user_before, &report),
                     wait_us: (sched_after.waited_s - sched_before.waited_s) / sent * 1e6,
                     slices: sched_after
                         .timeslices
@@ -1871,6 +1882,26 @@ fn report_against_haproxy_mtls(args: &Args, routes: &[Route], sums: &[Summary], 
 /// Where a tail can come from on a shared machine: how long the proxies
 /// waited for a CPU, and how often they were woken, per request.
 fn report_sched(args: &Args, routes: &[Route], sums: &[Summary]) {
+    println!(
+        "\nCPU-s per 1k requests, both proxies (medians): in user space + in the kernel \
+         (the kernel's share)"
+    );
+    for (r, s) in routes.iter().zip(sums) {
+        if r.pids.is_empty() {
+            continue;
+        }
+        let cells: Vec<String> = args
+            .rates
+            .iter()
+            .zip(&s.fixed)
+            .map(|(rate, x)| {
+                let kernel = x.cpu_per_k - x.user_per_k;
+                let share = 100.0 * kernel / x.cpu_per_k.max(f64::MIN_POSITIVE);
+                format!("at {rate}: {:.3} + {kernel:.3} ({share:.0}%)", x.user_per_k)
+            })
+            .collect();
+        println!("  {:<12} {}", r.name, cells.join("   "));
+    }
     println!("\nscheduling per request, both proxies (medians): µs waiting for a CPU, wake-ups");
     for (r, s) in routes.iter().zip(sums) {
         if r.pids.is_empty() {
