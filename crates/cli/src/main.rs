@@ -60,6 +60,11 @@ enum Command {
     Load(demo::LoadArgs),
 }
 
+/// Freed blocks of 1-16 KiB are kept per thread for the next request
+/// (see the module): glibc's malloc stays for the rest.
+#[global_allocator]
+static ALLOCATOR: tether_proxy_cli::alloc::BlockCache = tether_proxy_cli::alloc::BlockCache;
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tether_proxy_cli::init_tracing();

@@ -9,6 +9,7 @@
 //! land in the proxy's binary and, through fault-around, in its resident
 //! memory (docs/performance.md, "A proxy-only binary").
 
+pub mod alloc;
 pub mod args;
 pub mod memory;
 pub mod proxy;

@@ -1165,6 +1165,11 @@ impl Backends {
     /// when there is none to send to.
     pub fn pick(&self, has_endpoints: impl Fn(&str) -> bool) -> Option<&Backend> {
         if self.first_available {
+            // One backend is the one whatever `has_endpoints` says: no
+            // lookup per request for it.
+            if let [only] = &self.list[..] {
+                return Some(only);
+            }
             return self
                 .list
                 .iter()
@@ -1480,6 +1485,34 @@ pub(crate) mod tests {
         assert!(!picks.contains(&"never:80"));
         // 1000 draws at p = 0.1: sd 9.5; ±50 is over 5 sd.
         assert!((50..=150).contains(&b), "{b}");
+    }
+
+    #[test]
+    fn first_available_takes_the_first_with_endpoints_and_one_backend_unasked() {
+        let backend = |authority: &str| Backend {
+            authority: authority.to_string(),
+            weight: 0,
+            filters: Vec::new(),
+        };
+        let two = Backends {
+            list: vec![backend("a:80"), backend("b:80")],
+            first_available: true,
+        };
+        let pick = |has: &[&str]| two.pick(|a| has.contains(&a)).unwrap().authority.clone();
+        assert_eq!(pick(&["a:80", "b:80"]), "a:80");
+        assert_eq!(pick(&["b:80"]), "b:80");
+        assert_eq!(pick(&[]), "a:80", "none has endpoints: the first");
+        let one = Backends {
+            list: vec![backend("only:80")],
+            first_available: true,
+        };
+        let asked = std::cell::Cell::new(0);
+        let only = one.pick(|_| {
+            asked.set(asked.get() + 1);
+            false
+        });
+        assert_eq!(only.unwrap().authority, "only:80");
+        assert_eq!(asked.get(), 0, "one backend needs no lookup");
     }
 
     #[test]
