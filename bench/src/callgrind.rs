@@ -4,7 +4,10 @@
 //!
 //! CPU seconds on a shared 2-core machine move by ±10% between runs, more
 //! than most single changes to the request path are worth; an instruction
-//! count does not move with the machine's load, so a change of 1% shows.
+//! count does not move with the machine's load: two pairs of the same
+//! build in one run differ by 1% at most (10 s at 200 req/s; what differs
+//! is background work, per second rather than per request), so a change of
+//! 2% shows, and a smaller one in the dumps' per-function counts.
 //! It is not time: cache misses, the kernel's share (system calls, the
 //! scheduler) and the instructions' costs are not in it. Use it to compare
 //! builds (`--compare`) and to see the user-space gap to HAProxy; decide
