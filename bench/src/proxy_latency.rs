@@ -1879,42 +1879,38 @@ fn report_against_haproxy_mtls(args: &Args, routes: &[Route], sums: &[Summary], 
     }
 }
 
-/// Where a tail can come from on a shared machine: how long the proxies
-/// waited for a CPU, and how often they were woken, per request.
+/// Where the CPU goes (user space or the kernel), and where a tail can
+/// come from on a shared machine: how long the proxies waited for a CPU,
+/// and how often they were woken, per request.
 fn report_sched(args: &Args, routes: &[Route], sums: &[Summary]) {
-    println!(
-        "\nCPU-s per 1k requests, both proxies (medians): in user space + in the kernel \
-         (the kernel's share)"
+    let per_rate = |title: &str, cell: &dyn Fn(&Fixed) -> String| {
+        println!("\n{title}");
+        for (r, s) in routes.iter().zip(sums) {
+            if r.pids.is_empty() {
+                continue;
+            }
+            let cells: Vec<String> = args
+                .rates
+                .iter()
+                .zip(&s.fixed)
+                .map(|(rate, x)| format!("at {rate}: {}", cell(x)))
+                .collect();
+            println!("  {:<12} {}", r.name, cells.join("   "));
+        }
+    };
+    per_rate(
+        "CPU-s per 1k requests, both proxies (medians): in user space + in the kernel \
+         (the kernel's share)",
+        &|x| {
+            let kernel = x.cpu_per_k - x.user_per_k;
+            let share = 100.0 * kernel / x.cpu_per_k.max(f64::MIN_POSITIVE);
+            format!("{:.3} + {kernel:.3} ({share:.0}%)", x.user_per_k)
+        },
     );
-    for (r, s) in routes.iter().zip(sums) {
-        if r.pids.is_empty() {
-            continue;
-        }
-        let cells: Vec<String> = args
-            .rates
-            .iter()
-            .zip(&s.fixed)
-            .map(|(rate, x)| {
-                let kernel = x.cpu_per_k - x.user_per_k;
-                let share = 100.0 * kernel / x.cpu_per_k.max(f64::MIN_POSITIVE);
-                format!("at {rate}: {:.3} + {kernel:.3} ({share:.0}%)", x.user_per_k)
-            })
-            .collect();
-        println!("  {:<12} {}", r.name, cells.join("   "));
-    }
-    println!("\nscheduling per request, both proxies (medians): µs waiting for a CPU, wake-ups");
-    for (r, s) in routes.iter().zip(sums) {
-        if r.pids.is_empty() {
-            continue;
-        }
-        let cells: Vec<String> = args
-            .rates
-            .iter()
-            .zip(&s.fixed)
-            .map(|(rate, x)| format!("at {rate}: {:>6.1} µs, {:>4.2}", x.wait_us, x.slices))
-            .collect();
-        println!("  {:<12} {}", r.name, cells.join("   "));
-    }
+    per_rate(
+        "scheduling per request, both proxies (medians): µs waiting for a CPU, wake-ups",
+        &|x| format!("{:>6.1} µs, {:>4.2}", x.wait_us, x.slices),
+    );
 }
 
 /// Below this, a path's added latency is not told apart from direct's run
