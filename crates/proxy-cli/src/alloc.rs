@@ -290,3 +290,292 @@ mod tests {
         });
     }
 }
+
+#[cfg(test)]
+mod stress {
+    //! Many threads allocating, growing, shrinking and freeing blocks of
+    //! random sizes, alignments and kinds, handing live blocks to each
+    //! other and ending while others still hold their blocks: every byte a
+    //! block was given must still be there, so a block handed out twice, a
+    //! class block that is too small or a block freed early shows.
+
+    use super::*;
+    use std::sync::mpsc;
+
+    /// xorshift64*: a fixed seed per thread, so a failure repeats.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+
+        /// Mostly sizes around and inside the classes, their edges often.
+        fn size(&mut self) -> usize {
+            match self.below(8) {
+                0 => 1 + self.below(1100),
+                1 => {
+                    let edge = CLASSES[self.below(CLASSES.len())];
+                    edge - 1 + self.below(3)
+                }
+                2 => 16_000 + self.below(4000),
+                _ => 1000 + self.below(15_500),
+            }
+        }
+
+        fn align(&mut self) -> usize {
+            [1, 8, 16, 16, 32, 64][self.below(6)]
+        }
+    }
+
+    /// A live block and the pattern written into it.
+    struct Block {
+        ptr: usize,
+        layout: Layout,
+        seed: u8,
+    }
+
+    impl Block {
+        fn fill(&self) {
+            let ptr = self.ptr as *mut u8;
+            for i in 0..self.layout.size() {
+                // SAFETY: the block holds layout.size() bytes, owned here.
+                unsafe { ptr.add(i).write(self.seed.wrapping_add(i as u8)) };
+            }
+        }
+
+        /// Whether the first `len` bytes still hold the pattern.
+        fn holds(&self, len: usize) -> bool {
+            let ptr = self.ptr as *const u8;
+            // SAFETY: as fill, for len <= layout.size().
+            (0..len).all(|i| unsafe { ptr.add(i).read() } == self.seed.wrapping_add(i as u8))
+        }
+    }
+
+    fn allocate(rng: &mut Rng, seed: u8) -> Block {
+        let layout = Layout::from_size_align(rng.size(), rng.align()).unwrap();
+        let zeroed = rng.below(4) == 0;
+        // SAFETY: a non-zero size.
+        let ptr = unsafe {
+            if zeroed {
+                BlockCache.alloc_zeroed(layout)
+            } else {
+                BlockCache.alloc(layout)
+            }
+        };
+        assert!(!ptr.is_null());
+        assert_eq!(ptr as usize % layout.align(), 0, "{layout:?}");
+        if zeroed {
+            // SAFETY: the block holds layout.size() bytes.
+            assert!((0..layout.size()).all(|i| unsafe { ptr.add(i).read() } == 0));
+        }
+        let block = Block {
+            ptr: ptr as usize,
+            layout,
+            seed,
+        };
+        block.fill();
+        block
+    }
+
+    fn free(block: Block) {
+        assert!(block.holds(block.layout.size()), "{:?}", block.layout);
+        // SAFETY: allocated by BlockCache at this layout.
+        unsafe { BlockCache.dealloc(block.ptr as *mut u8, block.layout) };
+    }
+
+    /// Grows or shrinks a block, several times in a row at random sizes.
+    fn realloc_chain(rng: &mut Rng, mut block: Block) -> Block {
+        for _ in 0..1 + rng.below(4) {
+            let new_size = rng.size();
+            // SAFETY: allocated by BlockCache at this layout; a non-zero size.
+            let ptr = unsafe { BlockCache.realloc(block.ptr as *mut u8, block.layout, new_size) };
+            assert!(!ptr.is_null());
+            assert_eq!(ptr as usize % block.layout.align(), 0);
+            let kept = block.layout.size().min(new_size);
+            block.ptr = ptr as usize;
+            assert!(block.holds(kept), "{:?} -> {new_size}", block.layout);
+            block.layout = Layout::from_size_align(new_size, block.layout.align()).unwrap();
+            block.fill();
+        }
+        block
+    }
+
+    /// One thread's work: keeps up to 64 blocks live, gives some to the
+    /// next thread, frees what the previous one gave it; returns the blocks
+    /// still live when it ends, for a thread of the next round to free.
+    fn churn(
+        seed: u64,
+        steps: usize,
+        given: mpsc::Receiver<Block>,
+        give: mpsc::Sender<Block>,
+        inherited: Vec<Block>,
+    ) -> Vec<Block> {
+        let mut rng = Rng(seed | 1);
+        let mut live = inherited;
+        for step in 0..steps {
+            for block in given.try_iter() {
+                free(block);
+            }
+            match rng.below(10) {
+                0..=3 if live.len() < 64 => live.push(allocate(&mut rng, step as u8)),
+                4..=5 if !live.is_empty() => {
+                    let block = live.swap_remove(rng.below(live.len()));
+                    live.push(realloc_chain(&mut rng, block));
+                }
+                6 if !live.is_empty() => {
+                    // The receiver may have ended: then the block comes back.
+                    if let Err(mpsc::SendError(block)) =
+                        give.send(live.swap_remove(rng.below(live.len())))
+                    {
+                        free(block);
+                    }
+                }
+                _ if !live.is_empty() => free(live.swap_remove(rng.below(live.len()))),
+                _ => {}
+            }
+        }
+        live.extend(given.try_iter());
+        live
+    }
+
+    #[test]
+    fn threads_that_come_and_go_never_share_or_lose_a_byte() {
+        const THREADS: usize = 4;
+        let mut inherited: Vec<Vec<Block>> = (0..THREADS).map(|_| Vec::new()).collect();
+        for round in 0..4u64 {
+            let (senders, receivers): (Vec<_>, Vec<_>) =
+                (0..THREADS).map(|_| mpsc::channel()).unzip();
+            let mut receivers: Vec<Option<_>> = receivers.into_iter().map(Some).collect();
+            let handles: Vec<_> = (0..THREADS)
+                .map(|t| {
+                    let given = receivers[t].take().unwrap();
+                    let give = senders[(t + 1) % THREADS].clone();
+                    let blocks = std::mem::take(&mut inherited[(t + 1) % THREADS]);
+                    let seed = round * 1000 + t as u64;
+                    std::thread::spawn(move || churn(seed, 500, given, give, blocks))
+                })
+                .collect();
+            drop(senders);
+            for (t, handle) in handles.into_iter().enumerate() {
+                inherited[t] = handle.join().unwrap();
+            }
+        }
+        for block in inherited.into_iter().flatten() {
+            free(block);
+        }
+    }
+}
+
+#[cfg(test)]
+mod thread_end {
+    //! Blocks allocated and freed by other thread-locals' destructors,
+    //! before and after the cache's own has run.
+
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const LAYOUT: Layout = valid_layout(2000);
+
+    const fn valid_layout(size: usize) -> Layout {
+        match Layout::from_size_align(size, 8) {
+            Ok(layout) => layout,
+            Err(_) => panic!("a valid layout"),
+        }
+    }
+
+    /// Set by the destructors below (a panic there would abort the tests).
+    static AFTER_CACHE: AtomicUsize = AtomicUsize::new(0);
+    static FIRST_USE_IN_DESTRUCTOR: AtomicUsize = AtomicUsize::new(0);
+
+    /// Allocates, fills, checks and frees a few class blocks; true when
+    /// every byte was as written.
+    fn round_trip() -> bool {
+        let mut ok = true;
+        // SAFETY: a non-zero size; each block freed at the layout it got.
+        unsafe {
+            let blocks: Vec<*mut u8> = (0..8).map(|_| BlockCache.alloc(LAYOUT)).collect();
+            for (n, &b) in blocks.iter().enumerate() {
+                ok &= !b.is_null();
+                b.write_bytes(n as u8, LAYOUT.size());
+            }
+            for (n, &b) in blocks.iter().enumerate() {
+                ok &= (0..LAYOUT.size()).all(|i| b.add(i).read() == n as u8);
+                BlockCache.dealloc(b, LAYOUT);
+            }
+        }
+        ok
+    }
+
+    /// Holds a class block taken while the cache was alive, and frees it
+    /// from its destructor.
+    struct Holder(Cell<*mut u8>);
+
+    impl Drop for Holder {
+        fn drop(&mut self) {
+            let cache_gone = CACHE.try_with(|_| ()).is_err();
+            let block = self.0.get();
+            // SAFETY: allocated below at LAYOUT, freed once here.
+            let kept = unsafe {
+                let kept = (0..LAYOUT.size()).all(|i| block.add(i).read() == 0xa5);
+                BlockCache.dealloc(block, LAYOUT);
+                kept
+            };
+            if cache_gone && kept && round_trip() {
+                AFTER_CACHE.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Uses the cache for the first time on its thread from a destructor.
+    struct FirstUse;
+
+    impl Drop for FirstUse {
+        fn drop(&mut self) {
+            let cache_alive = CACHE.try_with(|_| ()).is_ok();
+            if cache_alive && round_trip() && round_trip() {
+                FIRST_USE_IN_DESTRUCTOR.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    thread_local! {
+        static HOLDER: Holder = const { Holder(Cell::new(ptr::null_mut())) };
+        static FIRST_USE: FirstUse = const { FirstUse };
+    }
+
+    #[test]
+    fn destructors_after_the_caches_free_and_allocate_through_malloc() {
+        std::thread::spawn(|| {
+            // Registered before the cache's destructor, so run after it.
+            HOLDER.with(|h| {
+                // SAFETY: a non-zero size; freed by Holder's destructor.
+                let block = unsafe { BlockCache.alloc(LAYOUT) };
+                // SAFETY: the block holds LAYOUT.size() bytes.
+                unsafe { block.write_bytes(0xa5, LAYOUT.size()) };
+                h.0.set(block);
+            });
+            assert!(round_trip());
+            let class = class_of(&LAYOUT).unwrap();
+            assert!(CACHE.with(|c| c.counts[class].get()) > 0, "blocks kept");
+        })
+        .join()
+        .unwrap();
+        assert_eq!(AFTER_CACHE.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_destructor_may_be_the_first_to_use_the_cache() {
+        std::thread::spawn(|| FIRST_USE.with(|_| ()))
+            .join()
+            .unwrap();
+        assert_eq!(FIRST_USE_IN_DESTRUCTOR.load(Ordering::SeqCst), 1);
+    }
+}
