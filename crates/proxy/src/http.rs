@@ -230,30 +230,186 @@ pub fn empty() -> Body {
 /// needs on every hop (`Connection: upgrade`, `Upgrade`; see
 /// [`crate::upgrade`]).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    strip(headers, true);
+    strip(headers, true, &[]);
 }
 
-/// [`strip_hop_by_hop`] for a request that goes out over HTTP/2, which
+/// [`strip_hop_by_hop`] for a message that goes out over HTTP/2, which
 /// carries no upgrade: the upgrade pair goes too (h2 refuses to send any
-/// connection-specific header).
-pub fn strip_hop_by_hop_http2(headers: &mut HeaderMap) {
-    strip(headers, false);
+/// connection-specific header). What it saw tells whether the message has
+/// a `Date` and a `Content-Length`.
+pub fn strip_hop_by_hop_http2(headers: &mut HeaderMap) -> Seen {
+    strip(headers, false, &[])
 }
 
-/// The hop-by-hop headers removed, the upgrade pair put back when
-/// `keep_upgrade` and the message asks for one.
-fn strip(headers: &mut HeaderMap, keep_upgrade: bool) {
-    // One pass over the names decides: most messages carry none of these
-    // (HTTP/2 never does), and then nothing is looked up or removed.
-    if !headers.keys().any(is_hop_by_hop) {
-        return;
+/// [`strip_hop_by_hop`] for a response: the upgrade pair stays only on
+/// `101 Switching Protocols` (elsewhere it would be one more header an
+/// HTTP/2 client's connection must drop).
+pub fn strip_hop_by_hop_response(status: StatusCode, headers: &mut HeaderMap) {
+    strip(headers, status == StatusCode::SWITCHING_PROTOCOLS, &[]);
+}
+
+/// [`strip_hop_by_hop_response`], and the headers named `also` removed
+/// too: found in the same pass over the names, so one that is absent
+/// (nearly always) costs no lookup of its own.
+pub fn strip_hop_by_hop_response_and(
+    status: StatusCode,
+    headers: &mut HeaderMap,
+    also: &[HeaderName],
+) {
+    strip(headers, status == StatusCode::SWITCHING_PROTOCOLS, also);
+}
+
+/// What one pass over a message's header names found: which hop-by-hop
+/// headers are there (only those are then looked up and removed), and
+/// whether the message has a `Date` and a `Content-Length` (the HTTP/2
+/// server adds them when missing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Seen(u32);
+
+impl Seen {
+    pub fn date(self) -> bool {
+        self.0 & DATE_SEEN != 0
     }
-    let upgrade = (keep_upgrade && crate::upgrade::wants_upgrade(headers))
-        .then(|| headers.get(header::UPGRADE).cloned())
-        .flatten();
-    // The headers `Connection` names go by their names as text (a name
-    // made from bytes would be copied into an allocation each); its values
-    // are shared, cloning them copies nothing. Usually there is one.
+
+    pub fn content_length(self) -> bool {
+        self.0 & CONTENT_LENGTH_SEEN != 0
+    }
+}
+
+// The bits of [`Seen`].
+const CONNECTION_SEEN: u32 = 1;
+const TRANSFER_ENCODING_SEEN: u32 = 1 << 1;
+const UPGRADE_SEEN: u32 = 1 << 2;
+const PROXY_AUTHORIZATION_SEEN: u32 = 1 << 3;
+const PROXY_AUTHENTICATE_SEEN: u32 = 1 << 4;
+const TE_SEEN: u32 = 1 << 5;
+const KEEP_ALIVE_SEEN: u32 = 1 << 6;
+const PROXY_CONNECTION_SEEN: u32 = 1 << 7;
+/// A `Connection` value names a header other than `keep-alive` and
+/// `upgrade` (removed by their own names anyway).
+const NAMES_OTHERS: u32 = 1 << 8;
+const DATE_SEEN: u32 = 1 << 9;
+const CONTENT_LENGTH_SEEN: u32 = 1 << 10;
+/// Bit `ALSO_SEEN + i`: the caller's `also[i]`.
+const ALSO_SEEN: u32 = 11;
+const MAX_ALSO: usize = (u32::BITS - ALSO_SEEN) as usize;
+
+/// The hop-by-hop headers removed with what `Connection` names, and the
+/// names in `also`; the upgrade pair put back when `keep_upgrade` and the
+/// message asks for one.
+fn strip(headers: &mut HeaderMap, keep_upgrade: bool, also: &[HeaderName]) -> Seen {
+    assert!(also.len() <= MAX_ALSO, "too many names for one pass");
+    // One pass over the names decides: most messages carry none of these
+    // (HTTP/2 never does), and then nothing is looked up or removed; most
+    // others carry `Connection: keep-alive` alone, and then only
+    // `Connection` is.
+    let mut seen = 0;
+    for name in headers.keys() {
+        seen |= match seen_bit(name) {
+            0 => also
+                .iter()
+                .position(|a| a == name)
+                .map_or(0, |i| 1 << (ALSO_SEEN + i as u32)),
+            bit => bit,
+        };
+    }
+    if seen & !(DATE_SEEN | CONTENT_LENGTH_SEEN) == 0 {
+        return Seen(seen);
+    }
+    if seen & CONNECTION_SEEN != 0 && headers.get_all(header::CONNECTION).iter().any(names_others) {
+        seen |= NAMES_OTHERS;
+    }
+    let upgrade = (keep_upgrade
+        && seen & (CONNECTION_SEEN | UPGRADE_SEEN) == CONNECTION_SEEN | UPGRADE_SEEN
+        && crate::upgrade::wants_upgrade(headers))
+    .then(|| headers.get(header::UPGRADE).cloned())
+    .flatten();
+    if seen & NAMES_OTHERS != 0 {
+        remove_all_named(headers);
+        // What `Connection` named is gone, whichever it was: a `Date`,
+        // say.
+        seen &= !(DATE_SEEN | CONTENT_LENGTH_SEEN);
+        if headers.contains_key(header::DATE) {
+            seen |= DATE_SEEN;
+        }
+        if headers.contains_key(header::CONTENT_LENGTH) {
+            seen |= CONTENT_LENGTH_SEEN;
+        }
+    }
+    // One by one: a loop over an array of names would make and drop each
+    // name whatever the message.
+    if seen & CONNECTION_SEEN != 0 {
+        headers.remove(header::CONNECTION);
+    }
+    if seen & TRANSFER_ENCODING_SEEN != 0 {
+        headers.remove(header::TRANSFER_ENCODING);
+    }
+    if seen & UPGRADE_SEEN != 0 {
+        headers.remove(header::UPGRADE);
+    }
+    if seen & PROXY_AUTHORIZATION_SEEN != 0 {
+        headers.remove(header::PROXY_AUTHORIZATION);
+    }
+    if seen & PROXY_AUTHENTICATE_SEEN != 0 {
+        headers.remove(header::PROXY_AUTHENTICATE);
+    }
+    if seen & KEEP_ALIVE_SEEN != 0 {
+        headers.remove(KEEP_ALIVE);
+    }
+    if seen & PROXY_CONNECTION_SEEN != 0 {
+        headers.remove(PROXY_CONNECTION);
+    }
+    if seen & TE_SEEN != 0 && headers.get(header::TE).is_some_and(|v| v != "trailers") {
+        headers.remove(header::TE);
+    }
+    for (i, name) in also.iter().enumerate() {
+        if seen & (1 << (ALSO_SEEN + i as u32)) != 0 {
+            headers.remove(name);
+        }
+    }
+    if let Some(protocol) = upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        headers.insert(header::UPGRADE, protocol);
+    }
+    Seen(seen)
+}
+
+/// The bit of [`Seen`] a header name sets. Compared as names, not as
+/// text: a standard name is a small number, told apart from another (or
+/// from a custom name) in an instruction or two, where spelling it out
+/// costs a table lookup and a string comparison per name.
+fn seen_bit(name: &HeaderName) -> u32 {
+    if *name == header::CONNECTION {
+        CONNECTION_SEEN
+    } else if *name == header::DATE {
+        DATE_SEEN
+    } else if *name == header::CONTENT_LENGTH {
+        CONTENT_LENGTH_SEEN
+    } else if *name == header::TRANSFER_ENCODING {
+        TRANSFER_ENCODING_SEEN
+    } else if *name == header::TE {
+        TE_SEEN
+    } else if *name == header::UPGRADE {
+        UPGRADE_SEEN
+    } else if *name == header::PROXY_AUTHORIZATION {
+        PROXY_AUTHORIZATION_SEEN
+    } else if *name == header::PROXY_AUTHENTICATE {
+        PROXY_AUTHENTICATE_SEEN
+    } else if *name == KEEP_ALIVE {
+        KEEP_ALIVE_SEEN
+    } else if *name == PROXY_CONNECTION {
+        PROXY_CONNECTION_SEEN
+    } else {
+        0
+    }
+}
+
+const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
+/// Removes the headers the `Connection` headers name. Its values are
+/// shared, cloning them copies nothing. Usually there is one.
+fn remove_all_named(headers: &mut HeaderMap) {
     let mut connection = headers.get_all(header::CONNECTION).iter();
     match (connection.next().cloned(), connection.next()) {
         (None, _) => {}
@@ -267,64 +423,48 @@ fn strip(headers: &mut HeaderMap, keep_upgrade: bool) {
             }
         }
     }
-    for name in [
-        header::CONNECTION,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-        header::PROXY_AUTHORIZATION,
-        header::PROXY_AUTHENTICATE,
-    ] {
-        headers.remove(name);
-    }
-    headers.remove(KEEP_ALIVE);
-    headers.remove(PROXY_CONNECTION);
-    if headers.get(header::TE).is_some_and(|v| v != "trailers") {
-        headers.remove(header::TE);
-    }
-    if let Some(protocol) = upgrade {
-        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-        headers.insert(header::UPGRADE, protocol);
-    }
 }
 
-const KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
-const PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
-
-/// A name [`strip_hop_by_hop`] has work to do for (`TE` only by its value).
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "transfer-encoding"
-            | "upgrade"
-            | "proxy-authorization"
-            | "proxy-authenticate"
-            | "te"
-            | "keep-alive"
-            | "proxy-connection"
-    )
+/// The names a `Connection` value lists, other than the two removed by
+/// their static names anyway (`Connection: keep-alive` is the usual
+/// value): nothing to parse a name from. A value that is not text names
+/// nothing.
+fn named_by(connection: &HeaderValue) -> impl Iterator<Item = &str> {
+    connection
+        .to_str()
+        .into_iter()
+        .flat_map(|names| names.split(',').map(str::trim))
+        .filter(|name| {
+            !name.eq_ignore_ascii_case("keep-alive") && !name.eq_ignore_ascii_case("upgrade")
+        })
 }
 
-/// Removes the headers a `Connection` header value names.
+/// Whether a `Connection` value names a header to remove by its name:
+/// [`named_by`] would give one. Looked at as bytes: the usual value
+/// (`keep-alive`) is checked on every response from an HTTP/1 app.
+fn names_others(connection: &HeaderValue) -> bool {
+    // The usual value as servers spell it: one comparison, not a
+    // case-blind one byte by byte.
+    if connection.as_bytes() == b"keep-alive" {
+        return false;
+    }
+    connection.to_str().is_ok_and(|names| {
+        names
+            .as_bytes()
+            .split(|&b| b == b',')
+            .map(<[u8]>::trim_ascii)
+            .any(|name| {
+                !name.eq_ignore_ascii_case(b"keep-alive") && !name.eq_ignore_ascii_case(b"upgrade")
+            })
+    })
+}
+
+/// Removes the headers a `Connection` header value names. The names go as
+/// text: a name made from bytes would be copied into an allocation each.
 fn remove_named(headers: &mut HeaderMap, connection: &HeaderValue) {
-    let Ok(names) = connection.to_str() else {
-        return;
-    };
-    for name in names.split(',').map(str::trim) {
-        // Removed by their static names anyway (`Connection: keep-alive`
-        // is the usual value): nothing to parse a name from.
-        if name.eq_ignore_ascii_case("keep-alive") || name.eq_ignore_ascii_case("upgrade") {
-            continue;
-        }
+    for name in named_by(connection) {
         headers.remove(name);
     }
-}
-
-/// [`strip_hop_by_hop`] for a response: the upgrade pair stays only on
-/// `101 Switching Protocols` (elsewhere it would be one more header an
-/// HTTP/2 client's connection must drop).
-pub fn strip_hop_by_hop_response(status: StatusCode, headers: &mut HeaderMap) {
-    strip(headers, status == StatusCode::SWITCHING_PROTOCOLS);
 }
 
 pub fn is_grpc(headers: &HeaderMap) -> bool {
@@ -527,6 +667,212 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert!(!h.contains_key(header::UPGRADE) && !h.contains_key(header::CONNECTION));
     }
+
+    /// Each hop-by-hop header goes when it is the only one there, and
+    /// nothing else does; `TE: trailers` stays.
+    #[test]
+    fn each_hop_by_hop_header_goes_alone() {
+        for (name, value) in [
+            ("connection", "keep-alive"),
+            ("connection", "close"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "websocket"),
+            ("proxy-authorization", "Basic eA=="),
+            ("proxy-authenticate", "Basic"),
+            ("te", "gzip"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-connection", "keep-alive"),
+        ] {
+            for strip in [
+                strip_hop_by_hop as fn(&mut HeaderMap),
+                |h: &mut HeaderMap| {
+                    strip_hop_by_hop_http2(h);
+                },
+                |h: &mut HeaderMap| strip_hop_by_hop_response(StatusCode::OK, h),
+            ] {
+                let mut h = HeaderMap::new();
+                h.insert("x-kept", HeaderValue::from_static("1"));
+                h.insert(header::DATE, HeaderValue::from_static("today"));
+                h.insert(name, HeaderValue::from_static(value));
+                strip(&mut h);
+                assert!(!h.contains_key(name), "{name}: {value} kept");
+                assert_eq!(h.len(), 2, "{name}: {h:?}");
+            }
+        }
+        let mut h = HeaderMap::new();
+        h.insert(header::TE, HeaderValue::from_static("trailers"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h[header::TE], "trailers");
+    }
+
+    /// The names a caller adds go in the same pass, present or not, with
+    /// or without hop-by-hop headers beside them.
+    #[test]
+    fn names_asked_for_go_with_the_hop_by_hop_ones() {
+        let also = [PROXY_ERROR_HEADER, ORIG_PROTO_HEADER];
+        for hop in [None, Some(("connection", "keep-alive"))] {
+            for present in [&[][..], &[PROXY_ERROR][..], &[PROXY_ERROR, ORIG_PROTO][..]] {
+                let mut h = HeaderMap::new();
+                h.insert(header::SERVER, HeaderValue::from_static("app"));
+                if let Some((name, value)) = hop {
+                    h.insert(name, HeaderValue::from_static(value));
+                }
+                for name in present {
+                    h.insert(*name, HeaderValue::from_static("x"));
+                }
+                strip_hop_by_hop_response_and(StatusCode::OK, &mut h, &also);
+                let left: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+                assert_eq!(left, ["server"], "{hop:?} {present:?}");
+            }
+        }
+    }
+
+    /// What a strip saw of `Date` and `Content-Length` is what the message
+    /// has once stripped, also when `Connection` named one of them.
+    #[test]
+    fn what_a_strip_saw_is_what_is_left() {
+        for connection in [
+            None,
+            Some("keep-alive"),
+            Some("date"),
+            Some("content-length, x-a"),
+        ] {
+            for date in [false, true] {
+                for length in [false, true] {
+                    let mut h = HeaderMap::new();
+                    if let Some(c) = connection {
+                        h.insert(header::CONNECTION, HeaderValue::from_static(c));
+                    }
+                    if date {
+                        h.insert(header::DATE, HeaderValue::from_static("today"));
+                    }
+                    if length {
+                        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("3"));
+                    }
+                    let seen = strip_hop_by_hop_http2(&mut h);
+                    assert_eq!(seen.date(), h.contains_key(header::DATE), "{connection:?}");
+                    assert_eq!(
+                        seen.content_length(),
+                        h.contains_key(header::CONTENT_LENGTH),
+                        "{connection:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The strip as it was before it looked at the names once: every name
+    /// removed unconditionally.
+    fn strip_as_before(headers: &mut HeaderMap, keep_upgrade: bool, also: &[HeaderName]) {
+        let upgrade = (keep_upgrade && crate::upgrade::wants_upgrade(headers))
+            .then(|| headers.get(header::UPGRADE).cloned())
+            .flatten();
+        let all: Vec<HeaderValue> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .cloned()
+            .collect();
+        for value in &all {
+            if let Ok(names) = value.to_str() {
+                for name in names.split(',').map(str::trim) {
+                    if !name.eq_ignore_ascii_case("keep-alive")
+                        && !name.eq_ignore_ascii_case("upgrade")
+                    {
+                        headers.remove(name);
+                    }
+                }
+            }
+        }
+        for name in [
+            header::CONNECTION,
+            header::TRANSFER_ENCODING,
+            header::UPGRADE,
+            header::PROXY_AUTHORIZATION,
+            header::PROXY_AUTHENTICATE,
+            KEEP_ALIVE,
+            PROXY_CONNECTION,
+        ] {
+            headers.remove(name);
+        }
+        if headers.get(header::TE).is_some_and(|v| v != "trailers") {
+            headers.remove(header::TE);
+        }
+        for name in also {
+            headers.remove(name);
+        }
+        if let Some(protocol) = upgrade {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            headers.insert(header::UPGRADE, protocol);
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2048))]
+
+        /// Whatever headers a message has, the strip leaves what removing
+        /// every name unconditionally left.
+        #[test]
+        fn strip_leaves_what_removing_everything_left(
+            headers in proptest::collection::vec((0..NAMES.len(), 0..VALUES.len()), 0..12),
+            keep_upgrade in proptest::prelude::any::<bool>(),
+            with_also in proptest::prelude::any::<bool>(),
+        ) {
+            let mut h = HeaderMap::new();
+            for (name, value) in headers {
+                h.append(
+                    HeaderName::from_static(NAMES[name]),
+                    HeaderValue::from_static(VALUES[value]),
+                );
+            }
+            let also: &[HeaderName] = if with_also {
+                &[PROXY_ERROR_HEADER, ORIG_PROTO_HEADER]
+            } else {
+                &[]
+            };
+            let mut expected = h.clone();
+            strip_as_before(&mut expected, keep_upgrade, also);
+            let seen = strip(&mut h, keep_upgrade, also);
+            proptest::prop_assert_eq!(&h, &expected);
+            proptest::prop_assert_eq!(seen.date(), h.contains_key(header::DATE));
+            proptest::prop_assert_eq!(
+                seen.content_length(),
+                h.contains_key(header::CONTENT_LENGTH)
+            );
+        }
+    }
+
+    const NAMES: &[&str] = &[
+        "connection",
+        "transfer-encoding",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "te",
+        "keep-alive",
+        "proxy-connection",
+        "date",
+        "content-length",
+        "x-private",
+        "close",
+        "server",
+        PROXY_ERROR,
+        ORIG_PROTO,
+    ];
+
+    const VALUES: &[&str] = &[
+        "keep-alive",
+        "Keep-Alive",
+        "close",
+        "upgrade",
+        "Upgrade, x-private",
+        "keep-alive, date",
+        "x-private,content-length",
+        " , ",
+        "trailers",
+        "websocket",
+        "h2c",
+        "1",
+    ];
 
     #[test]
     fn mesh_asserted_headers_go_in_every_spelling() {

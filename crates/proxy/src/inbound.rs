@@ -33,7 +33,7 @@ use crate::errors::ProxyError;
 use crate::http::Proto;
 use crate::http::{
     error_response, is_grpc, raw_bad_request, request_authority, rewrite_for_hop, strip_hop_by_hop,
-    strip_hop_by_hop_response, strip_mesh_asserted, take_orig_proto, HopAuthority, ReplyBody,
+    strip_hop_by_hop_response_and, strip_mesh_asserted, take_orig_proto, HopAuthority, ReplyBody,
     CLIENT_ID_HEADER, L5D_CLIENT_ID_HEADER, ORIG_PROTO_HEADER, PROXY_ERROR_HEADER,
 };
 use crate::inbound_policy::{Client, Workload};
@@ -434,11 +434,13 @@ impl Inbound {
         let mut rsp = match result {
             Ok(rsp) => {
                 let (mut parts, body) = rsp.into_parts();
-                strip_hop_by_hop_response(parts.status, &mut parts.headers);
                 // Only the proxy may say that it, not the app, failed: the
                 // client's proxy retries on that word.
-                parts.headers.remove(PROXY_ERROR_HEADER);
-                parts.headers.remove(ORIG_PROTO_HEADER);
+                strip_hop_by_hop_response_and(
+                    parts.status,
+                    &mut parts.headers,
+                    &[PROXY_ERROR_HEADER, ORIG_PROTO_HEADER],
+                );
                 if orig.is_some_and(|o| !o.legacy) {
                     // As linkerd2-proxy's inbound answers (its outbound
                     // removes it); a Tether proxy older than this name

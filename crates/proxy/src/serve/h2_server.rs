@@ -229,18 +229,18 @@ pub(super) async fn respond<F, B>(
         return;
     };
     let (mut parts, body) = rsp.into_parts();
-    // h2 refuses to send any of them.
-    crate::http::strip_hop_by_hop_http2(&mut parts.headers);
-    if !parts.headers.contains_key(header::DATE) {
+    // h2 refuses to send any of them. The same pass over the names tells
+    // what is there of the rest: no lookups of their own.
+    let seen = crate::http::strip_hop_by_hop_http2(&mut parts.headers);
+    if !seen.date() {
         parts.headers.insert(header::DATE, date::now());
     }
     let end = body.is_end_stream();
-    if !end {
+    if !end && !seen.content_length() {
         if let Some(len) = body.size_hint().exact() {
             parts
                 .headers
-                .entry(header::CONTENT_LENGTH)
-                .or_insert_with(|| HeaderValue::from(len));
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
         }
     }
     let mut send = match reply.send_response(Response::from_parts(parts, ()), end) {
