@@ -344,7 +344,9 @@ where
     // What every request goes through, whichever the protocol: its place
     // in the connection's in-flight count, until its response body ends.
     let start = move |mut req: Request<RequestBody>| {
-        if crate::upgrade::wants_upgrade(req.headers()) {
+        // Only an HTTP/1.1 request upgrades (`upgrade::take`): an HTTP/2
+        // one's headers are not looked up for it.
+        if req.version() == http::Version::HTTP_11 && crate::upgrade::wants_upgrade(req.headers()) {
             req.extensions_mut().insert(slot.clone());
         }
         let guard = InFlightGuard::new(&tracker);
