@@ -9,7 +9,7 @@
 use std::net::SocketAddr;
 use std::time::Instant;
 
-use http::{Request, Response, Version};
+use http::{HeaderName, Request, Response, Version};
 
 use super::service::Service;
 use super::{Outbound, CONNECT_ATTEMPTS};
@@ -17,7 +17,7 @@ use crate::balance::{pick, EndpointHandle, Endpoints};
 use crate::client::{ConnectError, EndpointClient, SendError};
 use crate::errors::ProxyError;
 use crate::http::{
-    rewrite_for_hop, strip_hop_by_hop, strip_hop_by_hop_response, strip_mesh_asserted, Body,
+    rewrite_for_hop, strip_hop_by_hop, strip_hop_by_hop_response_and, strip_mesh_asserted, Body,
     OrigProto, ReplyBody, ORIG_PROTO_HEADER, PROXY_ERROR_HEADER,
 };
 use crate::http::{HopAuthority, Proto};
@@ -147,14 +147,16 @@ impl Outbound {
                         in_flight.observe(sent.elapsed());
                     }
                     let (mut parts, body) = rsp.into_parts();
-                    strip_hop_by_hop_response(parts.status, &mut parts.headers);
                     // linkerd2-proxy's inbound marks its answer to a marked
-                    // request; the marker is for this hop only.
-                    parts.headers.remove(ORIG_PROTO_HEADER);
-                    if !ep.endpoint.meshed {
-                        // Only a peer proxy may say that it, not the app, failed.
-                        parts.headers.remove(PROXY_ERROR_HEADER);
-                    }
+                    // request; the marker is for this hop only. Only a peer
+                    // proxy may say that it, not the app, failed. Both are
+                    // found in strip's one pass over the names.
+                    let also: &[HeaderName] = if ep.endpoint.meshed {
+                        &[ORIG_PROTO_HEADER]
+                    } else {
+                        &[ORIG_PROTO_HEADER, PROXY_ERROR_HEADER]
+                    };
+                    strip_hop_by_hop_response_and(parts.status, &mut parts.headers, also);
                     Ok((Response::from_parts(parts, ReplyBody::Upstream(body)), hop))
                 }
                 // Refused, not failed: a draining peer is not unhealthy.
@@ -217,8 +219,7 @@ impl Outbound {
             });
         }
         let (mut parts, body) = rsp.into_parts();
-        strip_hop_by_hop_response(parts.status, &mut parts.headers);
-        parts.headers.remove(PROXY_ERROR_HEADER);
+        strip_hop_by_hop_response_and(parts.status, &mut parts.headers, &[PROXY_ERROR_HEADER]);
         Ok((Response::from_parts(parts, ReplyBody::Upstream(body)), tls))
     }
 }
