@@ -1030,6 +1030,16 @@ mod tests {
     use std::os::unix::fs::symlink;
     use tether_core::registry::MulticlusterMode;
 
+    /// [`apply`] of changes observed now.
+    fn apply_now(
+        loaded: &mut Loaded,
+        paths: impl IntoIterator<Item = PathBuf>,
+        index: &Index,
+        metrics: &ControlMetrics,
+    ) {
+        apply(loaded, paths, index, metrics, std::time::Instant::now());
+    }
+
     fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
         let tmp = dir.join(format!(".{name}.tmp"));
         std::fs::write(&tmp, text).unwrap();
@@ -1056,13 +1066,7 @@ mod tests {
         let index = Index::new(metrics.clone());
         let mut loaded = FileRegistry::new(dir, metrics.clone()).loaded();
         for name in names {
-            apply(
-                &mut loaded,
-                [dir.join(name)],
-                &index,
-                &metrics,
-                std::time::Instant::now(),
-            );
+            apply_now(&mut loaded, [dir.join(name)], &index, &metrics);
         }
         (loaded, index, metrics)
     }
@@ -1097,44 +1101,20 @@ mod tests {
 
         // The service appears: the route kept meanwhile applies at once.
         let svc = write(dir.path(), "web.yaml", &service(80));
-        apply(
-            &mut loaded,
-            [svc.clone()],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [svc.clone()], &index, &metrics);
         assert_eq!(route_weights(&index, &web()), vec![("canary".into(), 7)]);
 
         // Removing the service and bringing it back keeps the route.
         std::fs::remove_file(&svc).unwrap();
-        apply(
-            &mut loaded,
-            [svc.clone()],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [svc.clone()], &index, &metrics);
         assert!(index.service(&web()).is_none());
         write(dir.path(), "web.yaml", &service(80));
-        apply(
-            &mut loaded,
-            [svc],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [svc], &index, &metrics);
         assert_eq!(route_weights(&index, &web()), vec![("canary".into(), 7)]);
 
         // Re-pointed at another service, it leaves this one.
         let r = write(dir.path(), "a-route.yaml", &route("canary", "api", 7));
-        apply(
-            &mut loaded,
-            [r],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [r], &index, &metrics);
         assert_eq!(route_weights(&index, &web()), vec![]);
     }
 
@@ -1158,13 +1138,7 @@ mod tests {
             assert_eq!(metrics.registry_reload_errors.get(), 1, "{order:?}");
             // The first goes: the second definition takes over.
             std::fs::remove_file(&first).unwrap();
-            apply(
-                &mut loaded,
-                [first.clone()],
-                &index,
-                &metrics,
-                std::time::Instant::now(),
-            );
+            apply_now(&mut loaded, [first.clone()], &index, &metrics);
             assert_eq!(
                 route_weights(&index, &web()),
                 vec![("canary".into(), 2), ("other".into(), 3)]
@@ -1209,22 +1183,15 @@ mod tests {
             assert_eq!(index.policies().server_routes.len(), 1);
             // The first goes: the second definition takes over.
             std::fs::remove_file(&first).unwrap();
-            apply(
-                &mut loaded,
-                [first.clone()],
-                &index,
-                &metrics,
-                std::time::Instant::now(),
-            );
+            apply_now(&mut loaded, [first.clone()], &index, &metrics);
             assert_eq!(server_port(&index), Some(Number(81)));
             // A bad file keeps what it said before.
             write(dir.path(), "c-server.yaml", &server(0));
-            apply(
+            apply_now(
                 &mut loaded,
                 [dir.path().join("c-server.yaml")],
                 &index,
                 &metrics,
-                std::time::Instant::now(),
             );
             assert_eq!(server_port(&index), Some(Number(81)));
             write(dir.path(), "c-server.yaml", &server(81));
@@ -1244,13 +1211,7 @@ mod tests {
             "kind: HTTPRoute\nname: canary\nparentRefs: [{name: web}]\n\
              rules: [{matches: [{path: {type: RegularExpression, value: \"(\"}}]}]\n",
         );
-        apply(
-            &mut loaded,
-            [r],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [r], &index, &metrics);
         assert_eq!(metrics.registry_reload_errors.get(), 1);
         assert_eq!(route_weights(&index, &web()), vec![("canary".into(), 4)]);
     }
@@ -1273,13 +1234,7 @@ mod tests {
             "web-1.yaml",
             "kind: Endpoints\nservice: web\nnamespace: demo\nendpoints: [{address: 127.0.0.1:1}]\n",
         );
-        apply(
-            &mut loaded,
-            [svc.clone(), eps.clone()],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [svc.clone(), eps.clone()], &index, &metrics);
         let state = index.service(&key).unwrap();
         assert_eq!(state.endpoints.len(), 1);
         assert_eq!(state.mode, Some(MulticlusterMode::Failover));
@@ -1291,13 +1246,7 @@ mod tests {
             "web-1.yaml",
             "kind: Endpoints\nservice: web\nendpoints: [{address: nope}]\n",
         );
-        apply(
-            &mut loaded,
-            [eps.clone()],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [eps.clone()], &index, &metrics);
         assert_eq!(index.service(&key).unwrap().endpoints.len(), 1);
         assert_eq!(metrics.registry_reload_errors.get(), 1);
 
@@ -1307,25 +1256,18 @@ mod tests {
             "zz-dup.yaml",
             "kind: Service\nname: web\nnamespace: demo\nports: [{port: 81}]\n",
         );
-        apply(
-            &mut loaded,
-            [dup],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [dup], &index, &metrics);
         assert_eq!(metrics.registry_reload_errors.get(), 2);
         assert_eq!(index.service(&key).unwrap().ports[0].port, 80);
 
         // Removing both definitions removes the service; endpoints wait.
         std::fs::remove_file(&svc).unwrap();
         std::fs::remove_file(dir.path().join("zz-dup.yaml")).unwrap();
-        apply(
+        apply_now(
             &mut loaded,
             [svc, dir.path().join("zz-dup.yaml")],
             &index,
             &metrics,
-            std::time::Instant::now(),
         );
         assert!(index.service(&key).is_none());
     }
@@ -1359,35 +1301,17 @@ mod tests {
         let (mut loaded, index, metrics) = load_in_order(dir.path(), &["b.yaml", "a.yaml"]);
         // The winner stops defining the service: b's definition at once.
         write(dir.path(), "a.yaml", &endpoints("127.0.0.1:1"));
-        apply(
-            &mut loaded,
-            [a.clone()],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [a.clone()], &index, &metrics);
         let state = index.service(&web()).unwrap();
         assert_eq!(state.ports[0].port, 81);
         assert_eq!(state.endpoints.len(), 1);
         // It defines it again: a wins again.
         write(dir.path(), "a.yaml", &service(80));
-        apply(
-            &mut loaded,
-            [a.clone()],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [a.clone()], &index, &metrics);
         assert_eq!(index.service(&web()).unwrap().ports[0].port, 80);
         // The winner is removed: b's definition at once.
         std::fs::remove_file(&a).unwrap();
-        apply(
-            &mut loaded,
-            [a],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [a], &index, &metrics);
         assert_eq!(index.service(&web()).unwrap().ports[0].port, 81);
     }
 
@@ -1643,13 +1567,7 @@ mod tests {
         big.set_len(MAX_FILE_BYTES + 1).unwrap();
         let mut problems = Vec::new();
         loaded.problems = Some(Vec::new());
-        apply(
-            &mut loaded,
-            [path.clone()],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [path.clone()], &index, &metrics);
         problems.extend(loaded.problems.take().unwrap());
         assert_eq!(problems.len(), 1, "{problems:?}");
         let limit = MAX_FILE_BYTES.to_string();
@@ -1762,13 +1680,7 @@ mod tests {
         let (reads_before, built_before) = (reads(&loaded), index.snapshots_built());
         // File 19 drops its first endpoint and lists one new one.
         let changed = write(dir.path(), "web-19.yaml", &file(19, 1));
-        apply(
-            &mut loaded,
-            [changed],
-            &index,
-            &metrics,
-            std::time::Instant::now(),
-        );
+        apply_now(&mut loaded, [changed], &index, &metrics);
         assert_eq!(reads(&loaded) - reads_before, 1, "files re-read");
         assert_eq!(index.snapshots_built(), built_before, "snapshots built");
         let (fresh, _) = read_once(dir.path()).unwrap();
@@ -1842,13 +1754,7 @@ mod tests {
                     write(in_force.path(), name, &text);
                 }
             }
-            apply(
-                &mut loaded,
-                [dir.path().join(name)],
-                &index,
-                &metrics,
-                std::time::Instant::now(),
-            );
+            apply_now(&mut loaded, [dir.path().join(name)], &index, &metrics);
             let (fresh, _) = read_once(in_force.path()).unwrap();
             assert_eq!(
                 index.service(&web()),
@@ -1935,13 +1841,7 @@ mod tests {
                     write(in_force.path(), name, &text);
                 }
             }
-            apply(
-                &mut loaded,
-                [path],
-                &index,
-                &metrics,
-                std::time::Instant::now(),
-            );
+            apply_now(&mut loaded, [path], &index, &metrics);
             let mut fresh = fresh_merge(in_force.path());
             let merged = |merged: Merged| {
                 let first = named(merged.first_duplicate);
@@ -1965,13 +1865,7 @@ mod tests {
         for name in names {
             let path = dir.path().join(name);
             let _ = std::fs::remove_file(&path);
-            apply(
-                &mut loaded,
-                [path],
-                &index,
-                &metrics,
-                std::time::Instant::now(),
-            );
+            apply_now(&mut loaded, [path], &index, &metrics);
         }
         assert!(loaded.merges.is_empty());
         assert!(loaded.files.is_empty() && loaded.mentions.is_empty());
