@@ -34,7 +34,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tether_admin::Shutdown;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
+use futures::task::AtomicWaker;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -188,7 +189,9 @@ struct InFlight {
     count: AtomicUsize,
     /// Requests ever started: tells whether one came and went meanwhile.
     started: AtomicUsize,
-    idle: Notify,
+    /// The connection's task, waiting in [`idle_for`]: every `idle_for`
+    /// of a connection is polled by its task, one after the other.
+    idle: AtomicWaker,
 }
 
 struct InFlightGuard(Arc<InFlight>);
@@ -204,7 +207,7 @@ impl InFlightGuard {
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
         if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.idle.notify_waiters();
+            self.0.idle.wake();
         }
     }
 }
@@ -261,22 +264,56 @@ where
     }
 }
 
-/// Resolves once the connection has had no request in flight for `timeout`.
+/// Resolves once the connection has had no request in flight for
+/// `timeout`, counted from when the last one ended (or from the start).
+///
+/// It is polled on every wake-up of its connection's task, several per
+/// request: while requests are in flight a poll only registers the waker
+/// and reads the count (polling a timer costs ~120 instructions each
+/// time), and when the connection goes idle again the timer is reset, not
+/// made anew (a later deadline does not touch the timer wheel).
 async fn idle_for(in_flight: &InFlight, timeout: Duration) {
-    loop {
-        let notified = in_flight.idle.notified();
+    let sleep = tokio::time::sleep(timeout);
+    tokio::pin!(sleep);
+    let mut counted_from = in_flight.started.load(Ordering::Acquire);
+    let mut busy = false;
+    std::future::poll_fn(|cx| {
+        // Registered before the count is read: the last request's end,
+        // whenever it comes, wakes the task.
+        in_flight.idle.register(cx.waker());
         if in_flight.count.load(Ordering::Acquire) > 0 {
-            notified.await;
-            continue;
+            busy = true;
+            return Poll::Pending;
         }
-        // Idle now: wait out the timeout; a request that came and went in
-        // between restarts the clock.
         let started = in_flight.started.load(Ordering::Acquire);
-        tokio::time::sleep(timeout).await;
-        if in_flight.started.load(Ordering::Acquire) == started {
-            return;
+        if busy || started != counted_from {
+            (busy, counted_from) = (false, started);
+            sleep
+                .as_mut()
+                .reset(tokio::time::Instant::now() + timeout);
         }
-    }
+        sleep.as_mut().poll(cx)
+    })
+    .await
+}
+
+/// Resolves once the listener drains. Polled on every wake-up of the
+/// connection's task like [`idle_for`]: after the first poll, which
+/// registers the task, the wait is polled again only once the channel has
+/// changed (one atomic read), not each time (~90 instructions).
+async fn drained(drain: &mut watch::Receiver<bool>) {
+    let probe = drain.clone();
+    let wait = drain.wait_for(|d| *d);
+    tokio::pin!(wait);
+    let mut registered = false;
+    std::future::poll_fn(|cx| {
+        if registered && matches!(probe.has_changed(), Ok(false)) {
+            return Poll::Pending;
+        }
+        registered = true;
+        wait.as_mut().poll(cx).map(|_| ())
+    })
+    .await
 }
 
 /// A request's body, as the connection's server gave it: hyper's (HTTP/1)
@@ -357,7 +394,7 @@ where
             _ = idle_for(&in_flight, limits.idle_timeout) => {
                 limits.metrics.close_connection(direction, "idle");
             }
-            _ = drain.wait_for(|d| *d) => {}
+            _ = drained(&mut drain) => {}
         }
     };
     tokio::pin!(closing);
@@ -544,4 +581,68 @@ async fn read_version<I: AsyncRead + Unpin>(
         Ok(false) | Err(_) => return None,
     }
     Some((buf.starts_with(preface), buf.freeze()))
+}
+
+#[cfg(test)]
+mod idle_tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::time::{advance, Instant};
+
+    use super::{drained, idle_for, InFlight, InFlightGuard};
+
+    const TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// Whether `fut` resolves within `wait` of paused time.
+    async fn resolves_within(fut: impl std::future::Future<Output = ()>, wait: Duration) -> bool {
+        tokio::time::timeout(wait, fut).await.is_ok()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_is_idle_once_its_last_request_has_ended_for_the_timeout() {
+        let in_flight = Arc::new(InFlight::default());
+        let idle = idle_for(&in_flight, TIMEOUT);
+        tokio::pin!(idle);
+        // A request in flight for longer than the timeout: never idle.
+        let guard = InFlightGuard::new(&in_flight);
+        assert!(!resolves_within(idle.as_mut(), TIMEOUT * 3).await);
+        // Its end starts the clock; the end is what wakes the wait.
+        let ended = Instant::now();
+        drop(guard);
+        assert!(!resolves_within(idle.as_mut(), TIMEOUT - Duration::from_secs(1)).await);
+        // A request that comes and goes restarts the clock.
+        drop(InFlightGuard::new(&in_flight));
+        let restarted = Instant::now();
+        assert!(!resolves_within(idle.as_mut(), TIMEOUT - Duration::from_secs(1)).await);
+        assert!(resolves_within(idle.as_mut(), TIMEOUT).await);
+        assert!(restarted.elapsed() >= TIMEOUT, "idle {:?} after the request", restarted.elapsed());
+        assert!(ended.elapsed() >= TIMEOUT * 2 - Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_without_requests_is_idle_after_the_timeout() {
+        let in_flight = InFlight::default();
+        let start = Instant::now();
+        idle_for(&in_flight, TIMEOUT).await;
+        assert_eq!(start.elapsed(), TIMEOUT);
+    }
+
+    /// The drain wakes a connection waiting in `drained` even though its
+    /// later polls only look at the channel.
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_is_seen_after_polls_that_only_looked() {
+        let (tx, mut rx) = tokio::sync::watch::channel(false);
+        let drain = drained(&mut rx);
+        tokio::pin!(drain);
+        assert!(!resolves_within(drain.as_mut(), Duration::from_secs(1)).await);
+        assert!(!resolves_within(drain.as_mut(), Duration::from_secs(1)).await);
+        tokio::spawn(async move {
+            advance(Duration::from_millis(1)).await;
+            tx.send(true).unwrap();
+            // Kept open: the end of the channel is not what is waited for.
+            std::future::pending::<()>().await;
+        });
+        assert!(resolves_within(drain.as_mut(), Duration::from_secs(60)).await);
+    }
 }

@@ -31,6 +31,17 @@ use crate::metrics::ClosedLabels;
 /// Whether a message's headers offer an upgrade the proxy carries: a
 /// `Connection: upgrade` token and an `Upgrade` other than `h2c`.
 pub fn wants_upgrade(headers: &HeaderMap) -> bool {
+    // Asked of every request, two or three times on its way: most carry
+    // neither name, and looking at each name (a small number for a
+    // standard one) costs less than hashing for a lookup.
+    let (mut connection, mut upgrade) = (false, false);
+    for name in headers.keys() {
+        connection |= name == header::CONNECTION;
+        upgrade |= name == header::UPGRADE;
+    }
+    if !(connection && upgrade) {
+        return false;
+    }
     let offered = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -248,6 +259,15 @@ mod tests {
         ];
         assert!(wants_upgrade(&headers(&ws)));
         assert!(!wants_upgrade(&headers(&[("upgrade", "websocket")])));
+        // The token in a second `Connection` line, among other names.
+        assert!(wants_upgrade(&headers(&[
+            ("host", "web.demo"),
+            ("connection", "keep-alive"),
+            ("accept", "*/*"),
+            ("connection", "upgrade"),
+            ("upgrade", "websocket"),
+        ])));
+        assert!(!wants_upgrade(&headers(&[("host", "web.demo"), ("accept", "*/*")])));
         assert!(!wants_upgrade(&headers(&[("connection", "upgrade")])));
         assert!(!wants_upgrade(&headers(&[
             ("connection", "Upgrade, HTTP2-Settings"),

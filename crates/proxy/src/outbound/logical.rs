@@ -70,7 +70,7 @@ impl Outbound {
         // The service's own copy of its authority names it from here on:
         // nothing per request is copied for it.
         let svc = match pinned.or_else(|| request_authority(&req)) {
-            Some(a) => normalize(a).map(|authority| self.service_at(&authority, start)),
+            Some(a) => self.service_named(a, start),
             None => Err(ProxyError::NoAuthority),
         };
         let mut route_label = None;
@@ -360,15 +360,8 @@ mod tests {
     /// real request: hyper's `Incoming` body only comes from a connection.
     #[tokio::test]
     async fn the_outbound_request_future_stays_small() {
-        let metrics = ProxyMetrics::default();
         // Nothing is asked of it: the future is measured, never polled.
-        let controls = ControlPlanes::new(&["127.0.0.1:9".to_string()], None).unwrap();
-        let outbound = Arc::new(Outbound::new(
-            Discovery::new(controls, metrics.clone()),
-            metrics,
-            &OutboundConfig::default(),
-            Connector::plain(Duration::from_secs(1)),
-        ));
+        let outbound = Arc::new(outbound());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
@@ -406,6 +399,37 @@ mod tests {
              box the step that grew it"
         );
         server.abort();
+    }
+
+    fn outbound() -> Outbound {
+        let metrics = ProxyMetrics::default();
+        let controls = ControlPlanes::new(&["127.0.0.1:9".to_string()], None).unwrap();
+        Outbound::new(
+            Discovery::new(controls, metrics.clone()),
+            metrics,
+            &OutboundConfig::default(),
+            Connector::plain(Duration::from_secs(1)),
+        )
+    }
+
+    /// A request's authority is looked up as written before it is
+    /// normalised: however it is spelled, one service answers, and what
+    /// is not an authority is refused, never followed.
+    #[tokio::test]
+    async fn every_spelling_of_an_authority_names_one_service() {
+        let outbound = outbound();
+        let now = std::time::Instant::now();
+        let first = outbound.service_named("Web.Demo", now).unwrap();
+        assert_eq!(&*first.authority, "web.demo:80");
+        for spelling in ["web.demo:80", "WEB.demo:80", "web.demo:080", "web.demo"] {
+            let again = outbound.service_named(spelling, now).unwrap();
+            assert!(Arc::ptr_eq(&first, &again), "{spelling} named another service");
+        }
+        let other = outbound.service_named("web.demo:8080", now).unwrap();
+        assert!(!Arc::ptr_eq(&first, &other));
+        for bad in ["", "web.demo:", "web.demo:http", "web.demo:0", ":80"] {
+            assert!(outbound.service_named(bad, now).is_err(), "{bad:?} was followed");
+        }
     }
 
     /// What `handle` keeps inline besides its boxed steps (the request,

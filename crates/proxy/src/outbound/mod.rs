@@ -109,6 +109,21 @@ impl Outbound {
         self.service_at(authority, std::time::Instant::now())
     }
 
+    /// The service a request names by `authority` (as written), used at
+    /// `now`. Every service is followed under its normal authority, so an
+    /// authority found as it is needs no normalising (the usual case:
+    /// parsing it costs more than the lookup).
+    fn service_named(
+        &self,
+        authority: &str,
+        now: std::time::Instant,
+    ) -> Result<Arc<Service>, crate::errors::ProxyError> {
+        if let Some(svc) = self.services.find(authority, now) {
+            return Ok(svc);
+        }
+        logical::normalize(authority).map(|normal| self.service_at(&normal, now))
+    }
+
     /// [`Self::service`], used at `now` (a request's start: no clock read).
     fn service_at(&self, authority: &str, now: std::time::Instant) -> Arc<Service> {
         let make = || {

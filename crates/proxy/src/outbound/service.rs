@@ -321,6 +321,14 @@ impl ServiceCache {
         }
     }
 
+    /// The service already followed under exactly `authority`, if any.
+    pub fn find(&self, authority: &str, now: Instant) -> Option<Arc<Service>> {
+        let services = self.services.lock().unwrap();
+        let svc = services.get(authority)?;
+        *svc.last_used.lock().unwrap() = now;
+        Some(svc.clone())
+    }
+
     /// The service for `authority`, made by `make` when it is not followed
     /// yet.
     pub fn get(
