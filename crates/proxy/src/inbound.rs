@@ -523,6 +523,7 @@ impl Inbound {
             tokio::pin!(copy);
             loop {
                 tokio::select! {
+                    biased;
                     copied = &mut copy => break copied,
                     _ = policy.changed() => {
                         if !self.admits_connection(hop, peer) {

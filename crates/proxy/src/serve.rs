@@ -28,13 +28,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::task::AtomicWaker;
 use http::{Request, Response};
 use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tether_admin::Shutdown;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use futures::task::AtomicWaker;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use prometheus_client::metrics::counter::Counter;
@@ -257,6 +257,7 @@ where
     E: From<&'static str>,
 {
     tokio::select! {
+        biased;
         result = conn => result,
         _ = idle_for(in_flight, limit) => {
             Err("the client did not finish closing the connection within the drain timeout".into())
@@ -265,18 +266,22 @@ where
 }
 
 /// Resolves once the connection has had no request in flight for
-/// `timeout`, counted from when the last one ended (or from the start).
+/// `timeout`: when the timer ends and requests came meanwhile, it starts
+/// again (so a connection closes between one and two timeouts after its
+/// last request).
 ///
 /// It is polled on every wake-up of its connection's task, several per
-/// request: while requests are in flight a poll only registers the waker
-/// and reads the count (polling a timer costs ~120 instructions each
-/// time), and when the connection goes idle again the timer is reset, not
-/// made anew (a later deadline does not touch the timer wheel).
+/// request. Such a poll reads the count and looks at the timer's state
+/// (atomic reads), and registers the waker for the last request's end;
+/// the timer itself, whose wake-up is registered already, is polled only
+/// once it has fired (a poll costs ~120 instructions), and reset once per
+/// timeout, not per request.
 async fn idle_for(in_flight: &InFlight, timeout: Duration) {
     let sleep = tokio::time::sleep(timeout);
     tokio::pin!(sleep);
     let mut counted_from = in_flight.started.load(Ordering::Acquire);
     let mut busy = false;
+    let mut armed = false;
     std::future::poll_fn(|cx| {
         // Registered before the count is read: the last request's end,
         // whenever it comes, wakes the task.
@@ -285,14 +290,21 @@ async fn idle_for(in_flight: &InFlight, timeout: Duration) {
             busy = true;
             return Poll::Pending;
         }
-        let started = in_flight.started.load(Ordering::Acquire);
-        if busy || started != counted_from {
-            (busy, counted_from) = (false, started);
-            sleep
-                .as_mut()
-                .reset(tokio::time::Instant::now() + timeout);
+        loop {
+            if armed && !sleep.is_elapsed() {
+                return Poll::Pending;
+            }
+            if sleep.as_mut().poll(cx).is_pending() {
+                armed = true;
+                return Poll::Pending;
+            }
+            let started = in_flight.started.load(Ordering::Acquire);
+            if !busy && started == counted_from {
+                return Poll::Ready(());
+            }
+            (busy, counted_from, armed) = (false, started, false);
+            sleep.as_mut().reset(tokio::time::Instant::now() + timeout);
         }
-        sleep.as_mut().poll(cx)
     })
     .await
 }
@@ -391,6 +403,7 @@ where
     };
     let closing = async {
         tokio::select! {
+            biased;
             _ = idle_for(&in_flight, limits.idle_timeout) => {
                 limits.metrics.close_connection(direction, "idle");
             }
@@ -399,6 +412,7 @@ where
     };
     tokio::pin!(closing);
     let (http2, read) = tokio::select! {
+        biased;
         read = read_version(&mut io, limits.header_read_timeout) => match read {
             Some(read) => read,
             None => return,
@@ -464,6 +478,7 @@ where
             e.to_string()
         };
         tokio::select! {
+            biased;
             result = conn.as_mut() => result.map_err(ended),
             _ = closing => {
                 conn.as_mut().graceful_shutdown();
@@ -600,7 +615,7 @@ mod idle_tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_connection_is_idle_once_its_last_request_has_ended_for_the_timeout() {
+    async fn a_connection_is_idle_between_one_and_two_timeouts_after_its_last_request() {
         let in_flight = Arc::new(InFlight::default());
         let idle = idle_for(&in_flight, TIMEOUT);
         tokio::pin!(idle);
@@ -616,7 +631,11 @@ mod idle_tests {
         let restarted = Instant::now();
         assert!(!resolves_within(idle.as_mut(), TIMEOUT - Duration::from_secs(1)).await);
         assert!(resolves_within(idle.as_mut(), TIMEOUT).await);
-        assert!(restarted.elapsed() >= TIMEOUT, "idle {:?} after the request", restarted.elapsed());
+        assert!(
+            restarted.elapsed() >= TIMEOUT,
+            "idle {:?} after the request",
+            restarted.elapsed()
+        );
         assert!(ended.elapsed() >= TIMEOUT * 2 - Duration::from_secs(2));
     }
 

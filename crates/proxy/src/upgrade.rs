@@ -267,7 +267,10 @@ mod tests {
             ("connection", "upgrade"),
             ("upgrade", "websocket"),
         ])));
-        assert!(!wants_upgrade(&headers(&[("host", "web.demo"), ("accept", "*/*")])));
+        assert!(!wants_upgrade(&headers(&[
+            ("host", "web.demo"),
+            ("accept", "*/*")
+        ])));
         assert!(!wants_upgrade(&headers(&[("connection", "upgrade")])));
         assert!(!wants_upgrade(&headers(&[
             ("connection", "Upgrade, HTTP2-Settings"),

@@ -442,6 +442,7 @@ fn pipe(body: Body, mut stream: h2::SendStream<Bytes>) -> CancelOnDrop {
     let (cancel_tx, cancel_rx) = oneshot::channel();
     tokio::spawn(async move {
         let reset = tokio::select! {
+            biased;
             sent = send_body(body, &mut stream, None) => sent.err().flatten(),
             Ok(()) = cancel_rx => Some(h2::Reason::CANCEL),
         };

@@ -121,6 +121,7 @@ impl Outbound {
             let answer = if retryable {
                 let gone = gone(&ep, svc.balancer.watch());
                 tokio::select! {
+                    biased;
                     answer = conn.send(req) => answer,
                     why = gone => Err(SendError::failed(why)),
                 }
@@ -248,6 +249,7 @@ fn gone(
     };
     async move {
         tokio::select! {
+            biased;
             _ = taken_out => "abandoned: the endpoint was taken out by passive health",
             _ = dropped => "abandoned: discovery dropped the endpoint",
         }
