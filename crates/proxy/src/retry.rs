@@ -57,34 +57,33 @@ impl RetryBudget {
         *self.spec.lock().unwrap() = spec;
     }
 
-    fn bucket<R>(&self, f: impl FnOnce(&mut (Instant, u32, u32), u32, u32) -> R) -> R {
-        let spec = *self.spec.lock().unwrap();
-        let now = Instant::now();
+    /// The window as of `now`: buckets older than `ttl` gone, the last one
+    /// this second's.
+    fn current(
+        &self,
+        now: Instant,
+        ttl: Duration,
+    ) -> std::sync::MutexGuard<'_, VecDeque<(Instant, u32, u32)>> {
         let mut w = self.window.lock().unwrap();
-        while w
-            .front()
-            .is_some_and(|(t, _, _)| now.duration_since(*t) > spec.ttl)
-        {
-            w.pop_front();
+        // Instants compared, not subtracted: this runs for every request.
+        if let Some(oldest) = now.checked_sub(ttl) {
+            while w.front().is_some_and(|(t, _, _)| *t < oldest) {
+                w.pop_front();
+            }
         }
         if w.back()
-            .is_none_or(|(t, _, _)| now.duration_since(*t) >= Duration::from_secs(1))
+            .is_none_or(|(t, _, _)| *t + Duration::from_secs(1) <= now)
         {
             w.push_back((now, 0, 0));
         }
-        let (requests, retries) = w.iter().fold((0, 0), |(a, b), (_, r, t)| (a + r, b + t));
-        let allowance =
-            (spec.ratio * requests as f64 + spec.min_per_second * spec.ttl.as_secs_f64()) as u32;
-        f(
-            w.back_mut().expect("a bucket was just ensured"),
-            retries,
-            allowance,
-        )
+        w
     }
 
     /// Counts a request.
     pub fn deposit(&self) {
-        self.bucket(|b, _, _| b.1 += 1);
+        let ttl = self.spec.lock().unwrap().ttl;
+        let mut w = self.current(Instant::now(), ttl);
+        w.back_mut().expect("a bucket was just ensured").1 += 1;
     }
 
     /// Gives back a retry taken with [`Self::withdraw`] that was not sent
@@ -98,14 +97,16 @@ impl RetryBudget {
 
     /// Takes one retry from the budget, if there is one left.
     pub fn withdraw(&self) -> bool {
-        self.bucket(|b, retries, allowance| {
-            if retries < allowance {
-                b.2 += 1;
-                true
-            } else {
-                false
-            }
-        })
+        let spec = *self.spec.lock().unwrap();
+        let mut w = self.current(Instant::now(), spec.ttl);
+        let (requests, retries) = w.iter().fold((0, 0), |(a, b), (_, r, t)| (a + r, b + t));
+        let allowance =
+            (spec.ratio * requests as f64 + spec.min_per_second * spec.ttl.as_secs_f64()) as u32;
+        if retries >= allowance {
+            return false;
+        }
+        w.back_mut().expect("a bucket was just ensured").2 += 1;
+        true
     }
 }
 
@@ -142,6 +143,31 @@ mod tests {
         budget.refund();
         assert!(budget.withdraw());
         assert!(!budget.withdraw());
+    }
+
+    #[test]
+    fn a_second_gets_its_own_bucket_and_buckets_age_out_after_the_ttl() {
+        let ttl = Duration::from_secs(10);
+        let budget = RetryBudget::new(BudgetSpec {
+            ratio: 0.5,
+            min_per_second: 0.0,
+            ttl,
+        });
+        let start = Instant::now();
+        let at = |secs_ms: u64| start + Duration::from_millis(secs_ms);
+        budget.current(at(0), ttl).back_mut().unwrap().1 += 1;
+        budget.current(at(999), ttl).back_mut().unwrap().1 += 1;
+        assert_eq!(
+            budget.current(at(999), ttl).len(),
+            1,
+            "one second, one bucket"
+        );
+        assert_eq!(budget.current(at(1_000), ttl).len(), 2);
+        // The first bucket lives its ttl; the tenth second has its own.
+        assert_eq!(budget.current(at(10_000), ttl).len(), 3);
+        let w = budget.current(at(10_001), ttl);
+        assert_eq!(w.len(), 2, "the first bucket aged out");
+        assert_eq!((w[0].0, w[0].1), (at(1_000), 0));
     }
 
     #[test]
