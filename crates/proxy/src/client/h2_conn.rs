@@ -241,7 +241,7 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Future for Driver<I> {
 }
 
 /// While requests are in flight on a connection that has read nothing for
-/// a whole [`KEEPALIVE_INTERVAL`] (between one and two of them), a PING;
+/// [`KEEPALIVE_INTERVAL`], a PING;
 /// no answer within [`KEEPALIVE_TIMEOUT`] closes the connection. Polled
 /// whenever the connection's task is (a new request wakes it), so an idle
 /// connection has no timer running.
@@ -249,7 +249,8 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Future for Driver<I> {
 /// Polled several times per request: the timer, whose wake-up is
 /// registered once, is polled again only after it fired (polling it costs
 /// ~120 instructions, reading its state one atomic load), and a request
-/// that finds it running keeps it rather than resetting it.
+/// that finds it running keeps it rather than resetting it (~170): when
+/// it ends too soon for that request, it is set again for the rest.
 struct KeepAlive {
     ping_pong: h2::PingPong,
     state: KeepAliveState,
@@ -261,12 +262,10 @@ struct KeepAlive {
 enum KeepAliveState {
     /// Nothing in flight.
     Idle,
-    /// Requests in flight; `reads` when watching started, and whether a
-    /// whole interval of the timer has passed since (a running timer is
-    /// kept, so its first end may come sooner).
+    /// Requests in flight; `reads` when watching started, `since` then.
     Watching {
         reads: u64,
-        whole: bool,
+        since: tokio::time::Instant,
     },
     PingSent,
 }
@@ -282,16 +281,14 @@ impl KeepAlive {
                     if !busy {
                         return Poll::Pending;
                     }
-                    let running = self.armed && !self.sleep.is_elapsed();
-                    if !running {
-                        self.restart(KEEPALIVE_INTERVAL);
+                    let since = tokio::time::Instant::now();
+                    // Not running: the timer is set; running, it is kept.
+                    if !self.armed || self.sleep.is_elapsed() {
+                        self.set(since + KEEPALIVE_INTERVAL);
                     }
-                    self.state = KeepAliveState::Watching {
-                        reads,
-                        whole: !running,
-                    };
+                    self.state = KeepAliveState::Watching { reads, since };
                 }
-                KeepAliveState::Watching { reads: then, whole } => {
+                KeepAliveState::Watching { reads: then, since } => {
                     if !self.ended(cx) {
                         return Poll::Pending;
                     }
@@ -299,9 +296,15 @@ impl KeepAlive {
                         self.state = KeepAliveState::Idle;
                         return Poll::Pending;
                     }
-                    if reads != then || !whole {
-                        self.restart(KEEPALIVE_INTERVAL);
-                        self.state = KeepAliveState::Watching { reads, whole: true };
+                    let now = tokio::time::Instant::now();
+                    if reads != then {
+                        self.set(now + KEEPALIVE_INTERVAL);
+                        self.state = KeepAliveState::Watching { reads, since: now };
+                        continue;
+                    }
+                    if now < since + KEEPALIVE_INTERVAL {
+                        // A timer kept from an earlier request.
+                        self.set(since + KEEPALIVE_INTERVAL);
                         continue;
                     }
                     if self.ping_pong.send_ping(h2::Ping::opaque()).is_err() {
@@ -310,7 +313,7 @@ impl KeepAlive {
                         return Poll::Pending;
                     }
                     self.state = KeepAliveState::PingSent;
-                    self.restart(KEEPALIVE_TIMEOUT);
+                    self.set(now + KEEPALIVE_TIMEOUT);
                 }
                 KeepAliveState::PingSent => {
                     if let Poll::Ready(answered) = self.ping_pong.poll_pong(cx) {
@@ -318,8 +321,9 @@ impl KeepAlive {
                             self.state = KeepAliveState::Idle;
                             return Poll::Pending;
                         }
-                        self.restart(KEEPALIVE_INTERVAL);
-                        self.state = KeepAliveState::Watching { reads, whole: true };
+                        let now = tokio::time::Instant::now();
+                        self.set(now + KEEPALIVE_INTERVAL);
+                        self.state = KeepAliveState::Watching { reads, since: now };
                         continue;
                     }
                     if self.ended(cx) {
@@ -340,10 +344,8 @@ impl KeepAlive {
         !self.armed
     }
 
-    fn restart(&mut self, after: std::time::Duration) {
-        self.sleep
-            .as_mut()
-            .reset(tokio::time::Instant::now() + after);
+    fn set(&mut self, deadline: tokio::time::Instant) {
+        self.sleep.as_mut().reset(deadline);
         self.armed = false;
     }
 }
