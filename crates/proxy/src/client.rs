@@ -357,7 +357,10 @@ impl EndpointClient {
         .await
         .map_err(|_| format!("{MAX_H1} HTTP/1 connections to {} are all busy", self.addr))?
         .map_err(|e| e.to_string())?;
-        let (io, tls) = self.connect_stream().await?;
+        // Boxed: a new connection is rare, and inline its connect (TLS
+        // included, 1.4 KB) set the size of every request's future that
+        // awaits a connection, copied whole when that future is boxed.
+        let (io, tls) = Box::pin(self.connect_stream()).await?;
         let (sender, conn) = http1::handshake(TokioIo::new(io))
             .await
             .map_err(|e| e.to_string())?;

@@ -206,6 +206,11 @@ impl Wake for FlagWaker {
 /// body. A client that resets the stream first cancels the handling (it
 /// is dropped, as hyper drops it); one that gives the body no window for
 /// `stall` gets the stream reset.
+///
+/// Each stream's future is moved three times into the connection's set
+/// (`FuturesUnordered::push`): what it keeps while the body is sent is
+/// only the body, once, and its stream; the response's head is sent by
+/// [`send_head`], whose locals are not part of the future's state.
 pub(super) async fn respond<F, B>(
     handling: F,
     mut reply: h2::server::SendResponse<Bytes>,
@@ -215,19 +220,42 @@ pub(super) async fn respond<F, B>(
     B: Body<Data = Bytes> + Unpin,
     B::Error: std::fmt::Display,
 {
-    let rsp = {
-        let mut handling = pin!(handling);
-        poll_fn(|cx| {
-            if let Poll::Ready(rsp) = handling.as_mut().poll(cx) {
-                return Poll::Ready(Some(rsp));
-            }
-            reply.poll_reset(cx).map(|_| None)
-        })
-        .await
+    // Scoped, so that the response is not kept beside its body.
+    let (mut body, mut send) = {
+        let rsp = {
+            let mut handling = pin!(handling);
+            poll_fn(|cx| {
+                if let Poll::Ready(rsp) = handling.as_mut().poll(cx) {
+                    return Poll::Ready(Some(rsp));
+                }
+                reply.poll_reset(cx).map(|_| None)
+            })
+            .await
+        };
+        match rsp.and_then(|rsp| send_head(rsp, &mut reply)) {
+            Some(sending) => sending,
+            None => return,
+        }
     };
-    let Some(rsp) = rsp else {
-        return;
-    };
+    // By reference: the body is kept once, here, not again in
+    // `send_body`'s state.
+    let sent = send_body(&mut body, &mut send, Some(stall)).await;
+    drop(body);
+    if let Err(Some(reason)) = sent {
+        send.send_reset(reason);
+    }
+}
+
+/// Sends the head of `rsp` on `reply`: its body and the stream to send it
+/// on, or `None` when nothing more is to be sent (the body ended with the
+/// head, or the head could not be sent and the stream was reset).
+fn send_head<B>(
+    rsp: Response<B>,
+    reply: &mut h2::server::SendResponse<Bytes>,
+) -> Option<(B, h2::SendStream<Bytes>)>
+where
+    B: Body<Data = Bytes>,
+{
     let (mut parts, body) = rsp.into_parts();
     // h2 refuses to send any of them. The same pass over the names tells
     // what is there of the rest: no lookups of their own.
@@ -243,20 +271,18 @@ pub(super) async fn respond<F, B>(
                 .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
         }
     }
-    let mut send = match reply.send_response(Response::from_parts(parts, ()), end) {
+    let send = match reply.send_response(Response::from_parts(parts, ()), end) {
         Ok(send) => send,
         Err(e) => {
             tracing::debug!(error = %bounded(&e), "HTTP/2 response not sent");
             reply.send_reset(h2::Reason::INTERNAL_ERROR);
-            return;
+            return None;
         }
     };
     if end {
-        return;
+        return None;
     }
-    if let Err(Some(reason)) = send_body(body, &mut send, Some(stall)).await {
-        send.send_reset(reason);
-    }
+    Some((body, send))
 }
 
 /// The `Date` header of responses that come without one (a proxy that
