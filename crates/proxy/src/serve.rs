@@ -274,14 +274,17 @@ where
 /// request. Such a poll reads the count and looks at the timer's state
 /// (atomic reads), and registers the waker for the last request's end;
 /// the timer itself, whose wake-up is registered already, is polled only
-/// once it has fired (a poll costs ~120 instructions), and reset once per
-/// timeout, not per request.
+/// once it has fired or when the waker is another (a poll costs ~120
+/// instructions), and reset once per timeout, not per request.
 async fn idle_for(in_flight: &InFlight, timeout: Duration) {
     let sleep = tokio::time::sleep(timeout);
     tokio::pin!(sleep);
     let mut counted_from = in_flight.started.load(Ordering::Acquire);
     let mut busy = false;
-    let mut armed = false;
+    // The waker the running timer was polled with: its wake-up goes to
+    // that one, so it is polled again for another (the HTTP/2 server
+    // polls this with a waker of its own, not its task's).
+    let mut armed: Option<std::task::Waker> = None;
     std::future::poll_fn(|cx| {
         // Registered before the count is read: the last request's end,
         // whenever it comes, wakes the task.
@@ -291,18 +294,18 @@ async fn idle_for(in_flight: &InFlight, timeout: Duration) {
             return Poll::Pending;
         }
         loop {
-            if armed && !sleep.is_elapsed() {
+            if armed.as_ref().is_some_and(|w| w.will_wake(cx.waker())) && !sleep.is_elapsed() {
                 return Poll::Pending;
             }
             if sleep.as_mut().poll(cx).is_pending() {
-                armed = true;
+                armed = Some(cx.waker().clone());
                 return Poll::Pending;
             }
             let started = in_flight.started.load(Ordering::Acquire);
             if !busy && started == counted_from {
                 return Poll::Ready(());
             }
-            (busy, counted_from, armed) = (false, started, false);
+            (busy, counted_from, armed) = (false, started, None);
             sleep.as_mut().reset(tokio::time::Instant::now() + timeout);
         }
     })
@@ -312,17 +315,22 @@ async fn idle_for(in_flight: &InFlight, timeout: Duration) {
 /// Resolves once the listener drains. Polled on every wake-up of the
 /// connection's task like [`idle_for`]: after the first poll, which
 /// registers the task, the wait is polled again only once the channel has
-/// changed (one atomic read), not each time (~90 instructions).
+/// changed (one atomic read) or the waker is another, not each time (~90
+/// instructions).
 async fn drained(drain: &mut watch::Receiver<bool>) {
     let probe = drain.clone();
     let wait = drain.wait_for(|d| *d);
     tokio::pin!(wait);
-    let mut registered = false;
+    // The waker the wait was polled with (polled again for another, as
+    // the timer in `idle_for`).
+    let mut registered: Option<std::task::Waker> = None;
     std::future::poll_fn(|cx| {
-        if registered && matches!(probe.has_changed(), Ok(false)) {
+        if registered.as_ref().is_some_and(|w| w.will_wake(cx.waker()))
+            && matches!(probe.has_changed(), Ok(false))
+        {
             return Poll::Pending;
         }
-        registered = true;
+        registered = Some(cx.waker().clone());
         wait.as_mut().poll(cx).map(|_| ())
     })
     .await

@@ -97,6 +97,44 @@ async fn an_idle_http2_client_that_ignores_the_goaway_is_closed() {
     assert!(closed.is_ok(), "the server still holds the connection");
 }
 
+/// An HTTP/2 connection whose response is still being read when the idle
+/// timeout first passes is closed once it has been idle that long after
+/// the response's end: the idle clock waits for the request (woken when
+/// the in-flight count goes back to zero), then runs again. The server
+/// polls its idle clock and drain signal only when they wake it.
+#[tokio::test]
+async fn an_http2_connection_is_closed_once_idle_after_its_response() {
+    let config = ServeConfig {
+        idle_timeout: Duration::from_millis(100),
+        ..ServeConfig::default()
+    };
+    let (addr, server, _drain) = serve_one(config, Duration::from_millis(500), Answer::Big).await;
+    let client = async {
+        let io = TcpStream::connect(addr).await.unwrap();
+        let (send, conn) = h2::client::handshake(io).await.unwrap();
+        let conn = tokio::spawn(conn);
+        let mut send = send.ready().await.unwrap();
+        let get = http::Request::get("http://a/").body(()).unwrap();
+        let (rsp, _) = send.send_request(get, true).unwrap();
+        let mut body = rsp.await.unwrap().into_body();
+        // Read slowly (each chunk's window given back within the stall
+        // limit, the whole past the idle timeout): in flight all along.
+        let mut read = 0;
+        while let Some(data) = body.data().await {
+            let data = data.unwrap();
+            read += data.len();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            body.flow_control().release_capacity(data.len()).unwrap();
+        }
+        assert_eq!(read, 256 * 1024);
+        // Closed by the server (this side still holds `send`).
+        let _ = conn.await.unwrap();
+        drop(send);
+    };
+    let closed = tokio::time::timeout(WAIT, async { tokio::join!(server, client) }).await;
+    assert!(closed.is_ok(), "the server still holds the connection");
+}
+
 /// What an HTTP/2 client sends first: the preface, then its SETTINGS
 /// frame carrying `settings`.
 fn client_hello(settings: &[u8]) -> Vec<u8> {
