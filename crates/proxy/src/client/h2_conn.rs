@@ -131,7 +131,7 @@ where
         ping_pong: conn.ping_pong().expect("taken once"),
         state: KeepAliveState::Idle,
         sleep: Box::pin(tokio::time::sleep(KEEPALIVE_INTERVAL)),
-        armed: false,
+        armed: None,
     };
     let driver = Driver {
         conn,
@@ -255,8 +255,9 @@ struct KeepAlive {
     ping_pong: h2::PingPong,
     state: KeepAliveState,
     sleep: Pin<Box<tokio::time::Sleep>>,
-    /// The timer's wake-up is registered and it has not fired since.
-    armed: bool,
+    /// The waker the timer's wake-up is registered with, while it has not
+    /// fired since (polled again for another waker).
+    armed: Option<std::task::Waker>,
 }
 
 enum KeepAliveState {
@@ -283,7 +284,7 @@ impl KeepAlive {
                     }
                     let since = tokio::time::Instant::now();
                     // Not running: the timer is set; running, it is kept.
-                    if !self.armed || self.sleep.is_elapsed() {
+                    if self.armed.is_none() || self.sleep.is_elapsed() {
                         self.set(since + KEEPALIVE_INTERVAL);
                     }
                     self.state = KeepAliveState::Watching { reads, since };
@@ -337,16 +338,21 @@ impl KeepAlive {
 
     /// Whether the timer has ended, polling it only when that may be news.
     fn ended(&mut self, cx: &mut Context<'_>) -> bool {
-        if self.armed && !self.sleep.is_elapsed() {
+        let registered = self.armed.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
+        if registered && !self.sleep.is_elapsed() {
             return false;
         }
-        self.armed = self.sleep.as_mut().poll(cx).is_pending();
-        !self.armed
+        if self.sleep.as_mut().poll(cx).is_pending() {
+            self.armed = Some(cx.waker().clone());
+            return false;
+        }
+        self.armed = None;
+        true
     }
 
     fn set(&mut self, deadline: tokio::time::Instant) {
         self.sleep.as_mut().reset(deadline);
-        self.armed = false;
+        self.armed = None;
     }
 }
 
