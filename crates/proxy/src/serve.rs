@@ -286,12 +286,18 @@ async fn idle_for(in_flight: &InFlight, timeout: Duration) {
     // polls this with a waker of its own, not its task's).
     let mut armed: Option<std::task::Waker> = None;
     std::future::poll_fn(|cx| {
-        // Registered before the count is read: the last request's end,
-        // whenever it comes, wakes the task.
-        in_flight.idle.register(cx.waker());
         if in_flight.count.load(Ordering::Acquire) > 0 {
+            // The last request's end wakes the task; the count is read
+            // again once registered, in case it ended meanwhile. Only
+            // while busy: idle, a request's end is no news (the next
+            // wake-up that matters is the timer's), and a connection
+            // polled only when this wakes it is then not polled per
+            // request.
             busy = true;
-            return Poll::Pending;
+            in_flight.idle.register(cx.waker());
+            if in_flight.count.load(Ordering::Acquire) > 0 {
+                return Poll::Pending;
+            }
         }
         loop {
             if armed.as_ref().is_some_and(|w| w.will_wake(cx.waker())) && !sleep.is_elapsed() {
