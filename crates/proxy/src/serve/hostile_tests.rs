@@ -104,8 +104,10 @@ async fn an_idle_http2_client_that_ignores_the_goaway_is_closed() {
 /// polls its idle clock and drain signal only when they wake it.
 #[tokio::test]
 async fn an_http2_connection_is_closed_once_idle_after_its_response() {
+    // The stall limit is the idle timeout too: a reader held up by a busy
+    // machine for a few chunks' pauses must not look stalled.
     let config = ServeConfig {
-        idle_timeout: Duration::from_millis(100),
+        idle_timeout: Duration::from_millis(300),
         ..ServeConfig::default()
     };
     let (addr, server, _drain) = serve_one(config, Duration::from_millis(500), Answer::Big).await;
@@ -117,13 +119,14 @@ async fn an_http2_connection_is_closed_once_idle_after_its_response() {
         let get = http::Request::get("http://a/").body(()).unwrap();
         let (rsp, _) = send.send_request(get, true).unwrap();
         let mut body = rsp.await.unwrap().into_body();
-        // Read slowly (each chunk's window given back within the stall
-        // limit, the whole past the idle timeout): in flight all along.
+        // Read slowly (each chunk's window given back well within the
+        // stall limit, the whole, 16 frames of 16 KiB, past the idle
+        // timeout): in flight all along.
         let mut read = 0;
         while let Some(data) = body.data().await {
             let data = data.unwrap();
             read += data.len();
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            tokio::time::sleep(Duration::from_millis(25)).await;
             body.flow_control().release_capacity(data.len()).unwrap();
         }
         assert_eq!(read, 256 * 1024);
