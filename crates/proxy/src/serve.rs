@@ -270,12 +270,13 @@ where
 /// again (so a connection closes between one and two timeouts after its
 /// last request).
 ///
-/// It is polled on every wake-up of its connection's task, several per
-/// request. Such a poll reads the count and looks at the timer's state
-/// (atomic reads), and registers the waker for the last request's end;
-/// the timer itself, whose wake-up is registered already, is polled only
-/// once it has fired or when the waker is another (a poll costs ~120
-/// instructions), and reset once per timeout, not per request.
+/// It may be polled on every wake-up of its connection's task, several
+/// per request. Such a poll reads the count and looks at the timer's
+/// state (atomic reads), and while requests are in flight registers the
+/// waker for the last one's end; the timer itself, whose wake-up is
+/// registered already, is polled only once it has fired or when the
+/// waker is another (a poll costs ~120 instructions), and reset once per
+/// timeout, not per request.
 async fn idle_for(in_flight: &InFlight, timeout: Duration) {
     let sleep = tokio::time::sleep(timeout);
     tokio::pin!(sleep);
