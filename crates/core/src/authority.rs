@@ -47,6 +47,8 @@ pub enum AuthorityError {
     Empty,
     #[error("invalid port in authority {}", for_log(.0))]
     InvalidPort(String),
+    #[error("unclosed or misplaced `[` in authority {}", for_log(.0))]
+    InvalidBrackets(String),
     #[error(
         "{} is not a service name: expected name.namespace.svc.{cluster_domain}[:port]",
         for_log(authority)
@@ -62,6 +64,22 @@ pub enum AuthorityError {
 pub fn split_host_port(authority: &str) -> Result<(&str, u16), AuthorityError> {
     if authority.is_empty() {
         return Err(AuthorityError::Empty);
+    }
+    // An IPv6 literal: `[` only first, closed once, followed by nothing
+    // or a port (`[::1` would otherwise split into host `[:` and port 1).
+    let bracketed = authority.starts_with('[');
+    let closed = authority.find(']');
+    let well_formed = match closed {
+        Some(end) => {
+            bracketed
+                && authority[1..].find('[').is_none()
+                && authority.rfind(']') == Some(end)
+                && matches!(authority.as_bytes().get(end + 1), None | Some(b':'))
+        }
+        None => !authority.contains('['),
+    };
+    if !well_formed {
+        return Err(AuthorityError::InvalidBrackets(authority.to_string()));
     }
     let (host, port) = match authority.rfind(':') {
         Some(i) if !authority[i..].contains(']') => (&authority[..i], Some(&authority[i + 1..])),
@@ -243,5 +261,22 @@ mod tests {
     fn splits_ipv6() {
         assert_eq!(split_host_port("[::1]:81").unwrap(), ("[::1]", 81));
         assert_eq!(split_host_port("[::1]").unwrap(), ("[::1]", 80));
+        for bad in [
+            "[::1",
+            "::1]:80",
+            "[::1]x",
+            "[::1]]:80",
+            "[[::1]]",
+            "a[b]",
+            "[::1]:80]",
+        ] {
+            assert!(
+                matches!(
+                    split_host_port(bad),
+                    Err(AuthorityError::InvalidBrackets(_))
+                ),
+                "{bad:?} was split"
+            );
+        }
     }
 }
