@@ -321,7 +321,7 @@ fn strip(headers: &mut HeaderMap, keep_upgrade: bool, also: &[HeaderName]) -> Se
     }
     let upgrade = (keep_upgrade
         && seen & (CONNECTION_SEEN | UPGRADE_SEEN) == CONNECTION_SEEN | UPGRADE_SEEN
-        && crate::upgrade::wants_upgrade(headers))
+        && crate::upgrade::offers_upgrade(headers))
     .then(|| headers.get(header::UPGRADE).cloned())
     .flatten();
     if seen & NAMES_OTHERS != 0 {

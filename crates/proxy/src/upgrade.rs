@@ -39,9 +39,13 @@ pub fn wants_upgrade(headers: &HeaderMap) -> bool {
         connection |= name == header::CONNECTION;
         upgrade |= name == header::UPGRADE;
     }
-    if !(connection && upgrade) {
-        return false;
-    }
+    connection && upgrade && offers_upgrade(headers)
+}
+
+/// [`wants_upgrade`] for headers known to carry both `Connection` and
+/// `Upgrade` (`http::strip` has just looked at every name): their values
+/// alone.
+pub(crate) fn offers_upgrade(headers: &HeaderMap) -> bool {
     let offered = headers
         .get_all(header::CONNECTION)
         .iter()
