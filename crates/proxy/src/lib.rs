@@ -80,6 +80,7 @@ pub mod tap;
 pub mod tls;
 pub mod transport_header;
 pub mod upgrade;
+pub mod wait;
 
 pub use sidecar::{run, ProxyConfig};
 

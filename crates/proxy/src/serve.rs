@@ -273,19 +273,13 @@ where
 /// It may be polled on every wake-up of its connection's task, several
 /// per request. Such a poll reads the count and looks at the timer's
 /// state (atomic reads), and while requests are in flight registers the
-/// waker for the last one's end; the timer itself, whose wake-up is
-/// registered already, is polled only once it has fired or when the
-/// waker is another (a poll costs ~120 instructions), and reset once per
-/// timeout, not per request.
+/// waker for the last one's end; the timer is an [`ArmedSleep`](crate::wait::ArmedSleep),
+/// polled only when that may be news, and reset once per timeout, not
+/// per request.
 async fn idle_for(in_flight: &InFlight, timeout: Duration) {
-    let sleep = tokio::time::sleep(timeout);
-    tokio::pin!(sleep);
+    let mut timer = crate::wait::ArmedSleep::new(tokio::time::Instant::now() + timeout);
     let mut counted_from = in_flight.started.load(Ordering::Acquire);
     let mut busy = false;
-    // The waker the running timer was polled with: its wake-up goes to
-    // that one, so it is polled again for another (the HTTP/2 server
-    // polls this with a waker of its own, not its task's).
-    let mut armed: Option<std::task::Waker> = None;
     std::future::poll_fn(|cx| {
         if in_flight.count.load(Ordering::Acquire) > 0 {
             // The last request's end wakes the task; the count is read
@@ -301,19 +295,15 @@ async fn idle_for(in_flight: &InFlight, timeout: Duration) {
             }
         }
         loop {
-            if armed.as_ref().is_some_and(|w| w.will_wake(cx.waker())) && !sleep.is_elapsed() {
-                return Poll::Pending;
-            }
-            if sleep.as_mut().poll(cx).is_pending() {
-                armed = Some(cx.waker().clone());
+            if !timer.ended(cx) {
                 return Poll::Pending;
             }
             let started = in_flight.started.load(Ordering::Acquire);
             if !busy && started == counted_from {
                 return Poll::Ready(());
             }
-            (busy, counted_from, armed) = (false, started, None);
-            sleep.as_mut().reset(tokio::time::Instant::now() + timeout);
+            (busy, counted_from) = (false, started);
+            timer.set(tokio::time::Instant::now() + timeout);
         }
     })
     .await

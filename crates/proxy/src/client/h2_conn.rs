@@ -24,6 +24,7 @@ use tokio::sync::oneshot;
 use super::{ConnectError, SendError, KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT};
 use crate::h2_stream::{bounded, send_body, RecvBody};
 use crate::http::{Body, BodyError};
+use crate::wait::ArmedSleep;
 
 // hyper's HTTP/2 client defaults (hyper 1.x `proto/h2/client.rs`), kept
 // as they were when hyper drove these connections: the windows let one
@@ -130,8 +131,7 @@ where
     let keep_alive = KeepAlive {
         ping_pong: conn.ping_pong().expect("taken once"),
         state: KeepAliveState::Idle,
-        sleep: Box::pin(tokio::time::sleep(KEEPALIVE_INTERVAL)),
-        armed: None,
+        timer: ArmedSleep::new(tokio::time::Instant::now() + KEEPALIVE_INTERVAL),
     };
     let driver = Driver {
         conn,
@@ -246,18 +246,14 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Future for Driver<I> {
 /// whenever the connection's task is (a new request wakes it), so an idle
 /// connection has no timer running.
 ///
-/// Polled several times per request: the timer, whose wake-up is
-/// registered once, is polled again only after it fired (polling it costs
-/// ~120 instructions, reading its state one atomic load), and a request
-/// that finds it running keeps it rather than resetting it (~170): when
+/// Polled several times per request: the timer is an [`ArmedSleep`],
+/// polled only when that may be news, and a request that finds it
+/// running keeps it rather than resetting it (~170 instructions): when
 /// it ends too soon for that request, it is set again for the rest.
 struct KeepAlive {
     ping_pong: h2::PingPong,
     state: KeepAliveState,
-    sleep: Pin<Box<tokio::time::Sleep>>,
-    /// The waker the timer's wake-up is registered with, while it has not
-    /// fired since (polled again for another waker).
-    armed: Option<std::task::Waker>,
+    timer: ArmedSleep,
 }
 
 enum KeepAliveState {
@@ -284,13 +280,13 @@ impl KeepAlive {
                     }
                     let since = tokio::time::Instant::now();
                     // Not running: the timer is set; running, it is kept.
-                    if self.armed.is_none() || self.sleep.is_elapsed() {
-                        self.set(since + KEEPALIVE_INTERVAL);
+                    if !self.timer.running() {
+                        self.timer.set(since + KEEPALIVE_INTERVAL);
                     }
                     self.state = KeepAliveState::Watching { reads, since };
                 }
                 KeepAliveState::Watching { reads: then, since } => {
-                    if !self.ended(cx) {
+                    if !self.timer.ended(cx) {
                         return Poll::Pending;
                     }
                     if !busy {
@@ -299,13 +295,13 @@ impl KeepAlive {
                     }
                     let now = tokio::time::Instant::now();
                     if reads != then {
-                        self.set(now + KEEPALIVE_INTERVAL);
+                        self.timer.set(now + KEEPALIVE_INTERVAL);
                         self.state = KeepAliveState::Watching { reads, since: now };
                         continue;
                     }
                     if now < since + KEEPALIVE_INTERVAL {
                         // A timer kept from an earlier request.
-                        self.set(since + KEEPALIVE_INTERVAL);
+                        self.timer.set(since + KEEPALIVE_INTERVAL);
                         continue;
                     }
                     if self.ping_pong.send_ping(h2::Ping::opaque()).is_err() {
@@ -314,7 +310,7 @@ impl KeepAlive {
                         return Poll::Pending;
                     }
                     self.state = KeepAliveState::PingSent;
-                    self.set(now + KEEPALIVE_TIMEOUT);
+                    self.timer.set(now + KEEPALIVE_TIMEOUT);
                 }
                 KeepAliveState::PingSent => {
                     if let Poll::Ready(answered) = self.ping_pong.poll_pong(cx) {
@@ -323,36 +319,17 @@ impl KeepAlive {
                             return Poll::Pending;
                         }
                         let now = tokio::time::Instant::now();
-                        self.set(now + KEEPALIVE_INTERVAL);
+                        self.timer.set(now + KEEPALIVE_INTERVAL);
                         self.state = KeepAliveState::Watching { reads, since: now };
                         continue;
                     }
-                    if self.ended(cx) {
+                    if self.timer.ended(cx) {
                         return Poll::Ready(());
                     }
                     return Poll::Pending;
                 }
             }
         }
-    }
-
-    /// Whether the timer has ended, polling it only when that may be news.
-    fn ended(&mut self, cx: &mut Context<'_>) -> bool {
-        let registered = self.armed.as_ref().is_some_and(|w| w.will_wake(cx.waker()));
-        if registered && !self.sleep.is_elapsed() {
-            return false;
-        }
-        if self.sleep.as_mut().poll(cx).is_pending() {
-            self.armed = Some(cx.waker().clone());
-            return false;
-        }
-        self.armed = None;
-        true
-    }
-
-    fn set(&mut self, deadline: tokio::time::Instant) {
-        self.sleep.as_mut().reset(deadline);
-        self.armed = None;
     }
 }
 
