@@ -47,6 +47,9 @@ const MAX_SEND_BUFFER: usize = 400 * 1024;
 /// Streams the peer may make this side reset for its errors before the
 /// connection is closed (a misbehaving peer).
 const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+/// Passes over the connection's parts (streams, connection) in one poll of
+/// its task before it yields: see `serve`.
+const MAX_PASSES: u32 = 4;
 
 /// The bounds the listener sets.
 pub(super) struct Limits {
@@ -95,8 +98,9 @@ where
     let mut streams = FuturesUnordered::<futures::future::CatchUnwind<AssertUnwindSafe<F>>>::new();
     let mut closed = false;
     let wakes = Arc::new(Wakes::default());
-    // Not polled yet: polled on the first pass.
+    // Not polled yet: each is polled on the first pass.
     wakes.closing.store(true, Ordering::SeqCst);
+    wakes.connection.store(true, Ordering::SeqCst);
     let waker = |flag| {
         Waker::from(Arc::new(FlagWaker {
             wakes: wakes.clone(),
@@ -109,6 +113,7 @@ where
     poll_fn(|cx| {
         wakes.task.register(cx.waker());
         wakes.polling.store(true, Ordering::SeqCst);
+        let mut passes = 0;
         let polled = loop {
             // `closing` (once closed, `cut_off`) only when it woke the
             // task: polled on every pass, its timer and drain signal cost
@@ -119,7 +124,10 @@ where
                     if closing.as_mut().poll(&mut closing_cx).is_ready() {
                         conn.graceful_shutdown();
                         closed = true;
-                        // `cut_off` is polled from now on, first at once.
+                        // The GOAWAY goes out with the connection's poll,
+                        // and `cut_off` is polled from now on, first at
+                        // once.
+                        wakes.connection.store(true, Ordering::SeqCst);
                         wakes.closing.store(true, Ordering::SeqCst);
                         continue;
                     }
@@ -130,45 +138,60 @@ where
                     ));
                 }
             }
-            wakes.streams.store(false, Ordering::SeqCst);
-            let mut streams_cx = Context::from_waker(&for_streams);
             // The streams first: what they send goes out with the
             // connection's poll just after.
-            while let Poll::Ready(Some(done)) = streams.poll_next_unpin(&mut streams_cx) {
-                if done.is_err() {
-                    // Its reply, dropped while unwinding, resets the
-                    // stream; the panic hook has told what happened.
-                    tracing::debug!("a request's handling panicked; its stream is reset");
+            if wakes.streams.swap(false, Ordering::SeqCst) {
+                let mut streams_cx = Context::from_waker(&for_streams);
+                while let Poll::Ready(Some(done)) = streams.poll_next_unpin(&mut streams_cx) {
+                    if done.is_err() {
+                        // Its reply, dropped while unwinding, resets the
+                        // stream; the panic hook has told what happened.
+                        tracing::debug!("a request's handling panicked; its stream is reset");
+                    }
                 }
             }
-            // That poll handles whatever woke the connection until now
-            // (the streams' sends above wake it each): no wake-up of the
-            // task for it.
-            wakes.connection.store(false, Ordering::SeqCst);
-            match conn.poll_accept(&mut Context::from_waker(&for_connection)) {
-                Poll::Ready(Some(Ok(accepted))) => {
-                    let (req, reply): (Request<h2::RecvStream>, _) = accepted;
-                    let (parts, recv) = req.into_parts();
-                    let body = RecvBody::new(recv, &parts.headers);
-                    let serving = stream(Request::from_parts(parts, body), reply);
-                    streams.push(AssertUnwindSafe(serving).catch_unwind());
+            // Only when woken: h2 wakes the connection for whatever it
+            // must do (bytes to read, or a stream's send: each wakes it),
+            // as it does when each stream has a task of its own.
+            if wakes.connection.swap(false, Ordering::SeqCst) {
+                match conn.poll_accept(&mut Context::from_waker(&for_connection)) {
+                    Poll::Ready(Some(Ok(accepted))) => {
+                        let (req, reply): (Request<h2::RecvStream>, _) = accepted;
+                        let (parts, recv) = req.into_parts();
+                        let body = RecvBody::new(recv, &parts.headers);
+                        let serving = stream(Request::from_parts(parts, body), reply);
+                        streams.push(AssertUnwindSafe(serving).catch_unwind());
+                        // The new stream is polled, and the connection
+                        // again for the next one.
+                        wakes.streams.store(true, Ordering::SeqCst);
+                        wakes.connection.store(true, Ordering::SeqCst);
+                        continue;
+                    }
+                    Poll::Ready(Some(Err(e))) => break Poll::Ready(Err(bounded(&e))),
+                    // Closed, by the client or after the GOAWAY once the
+                    // streams were done; a stream still here can send
+                    // nothing more.
+                    Poll::Ready(None) => break Poll::Ready(Ok(())),
+                    Poll::Pending => {}
                 }
-                Poll::Ready(Some(Err(e))) => break Poll::Ready(Err(bounded(&e))),
-                // Closed, by the client or after the GOAWAY once the
-                // streams were done; a stream still here can send nothing
-                // more.
-                Poll::Ready(None) => break Poll::Ready(Ok(())),
-                Poll::Pending => break Poll::Pending,
+            }
+            // Woken while polling: one part's work wakes another (a
+            // stream's send wakes the connection, the connection's
+            // flush a stream's send capacity), and `FuturesUnordered`
+            // wakes itself whenever one of its futures stays pending
+            // after it has polled each once. Another pass costs less than
+            // a wake-up of the task (two of them per request, measured);
+            // past a few, a part that keeps waking itself yields to the
+            // runtime's other tasks.
+            passes += 1;
+            if passes == MAX_PASSES || !wakes.any() {
+                break Poll::Pending;
             }
         };
         wakes.polling.store(false, Ordering::SeqCst);
-        // Woken while polling (a stream that yields, an event after its
-        // part was polled): polled again, after the runtime's other tasks.
-        if polled.is_pending()
-            && (wakes.streams.load(Ordering::SeqCst)
-                || wakes.connection.load(Ordering::SeqCst)
-                || wakes.closing.load(Ordering::SeqCst))
-        {
+        // Woken while polling and out of passes, or just after the last
+        // check: polled again, after the runtime's other tasks.
+        if polled.is_pending() && wakes.any() {
             cx.waker().wake_by_ref();
         }
         polled
@@ -180,8 +203,8 @@ where
 /// send wakes the connection (h2 wakes the task that polls it, which is
 /// this one, and the connection is polled right after the streams): a
 /// wake-up that arrives while the task is polling only marks what it is
-/// for, and the task polls itself again only when needed, instead of once
-/// more per response.
+/// for, and that part gets another pass in the same poll; each part is
+/// polled only when marked.
 #[derive(Default)]
 struct Wakes {
     task: AtomicWaker,
@@ -190,6 +213,14 @@ struct Wakes {
     connection: AtomicBool,
     /// `closing`, or `cut_off` once closed.
     closing: AtomicBool,
+}
+
+impl Wakes {
+    fn any(&self) -> bool {
+        self.streams.load(Ordering::SeqCst)
+            || self.connection.load(Ordering::SeqCst)
+            || self.closing.load(Ordering::SeqCst)
+    }
 }
 
 /// What a [`FlagWaker`] marks.
@@ -378,6 +409,20 @@ mod tests {
         Fut: Future<Output = Response<B>> + Send + 'static,
         B: Body<Data = Bytes, Error = BodyError> + Send + Unpin + 'static,
     {
+        listen_counting(svc, Arc::default()).await
+    }
+
+    /// [`listen`], counting in `polls` how often its connections' tasks
+    /// are polled.
+    async fn listen_counting<S, Fut, B>(
+        svc: S,
+        polls: Arc<AtomicUsize>,
+    ) -> (SocketAddr, watch::Sender<bool>)
+    where
+        S: Fn(Request<RequestBody>) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Response<B>> + Send + 'static,
+        B: Body<Data = Bytes, Error = BodyError> + Send + Unpin + 'static,
+    {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (drain_tx, drain) = watch::channel(false);
@@ -395,7 +440,12 @@ mod tests {
                     direction: "test",
                     socket: None,
                 };
-                tokio::spawn(serve_http(stream, svc.clone(), conn));
+                let mut serving = Box::pin(serve_http(stream, svc.clone(), conn));
+                let polls = polls.clone();
+                tokio::spawn(poll_fn(move |cx| {
+                    polls.fetch_add(1, Ordering::Relaxed);
+                    serving.as_mut().poll(cx)
+                }));
             }
         });
         (addr, drain_tx)
@@ -472,6 +522,44 @@ mod tests {
         assert_eq!(rsp.status(), http::StatusCode::NO_CONTENT);
         assert!(rsp.body().is_end_stream(), "END_STREAM on the HEADERS");
         assert!(rsp.headers().contains_key(header::DATE));
+    }
+
+    /// A request whose response comes from another task (as a proxied
+    /// one's does, from the connection to the app) costs the connection's
+    /// task two polls: the request's arrival and the response's. Wake-ups
+    /// it gave itself (`FuturesUnordered`'s after each pending poll of a
+    /// stream; a finished stream's send capacity) cost it two more.
+    #[tokio::test]
+    async fn a_request_wakes_the_connection_task_twice() {
+        const REQUESTS: usize = 20;
+        let polls = Arc::new(AtomicUsize::new(0));
+        let (addr, _drain) = listen_counting(
+            |_req: Request<RequestBody>| async move {
+                let answer = tokio::spawn(async { crate::http::full("hello") });
+                Response::new(answer.await.unwrap())
+            },
+            polls.clone(),
+        )
+        .await;
+        let (send, _conn) = connect(addr).await;
+        let mut send = within("ready", send.ready()).await.unwrap();
+        // The handshake's polls are not the requests'.
+        let (rsp, _) = send.send_request(get(), true).unwrap();
+        within("response", rsp).await.unwrap();
+        let before = polls.load(Ordering::Relaxed);
+        for _ in 0..REQUESTS {
+            let (rsp, _) = send.send_request(get(), true).unwrap();
+            let rsp = within("response", rsp).await.unwrap();
+            let mut body = rsp.into_body();
+            let data = within("body", body.data()).await.unwrap().unwrap();
+            assert_eq!(data, "hello");
+        }
+        let polled = polls.load(Ordering::Relaxed) - before;
+        // A margin for a frame that arrives on its own (a window update).
+        assert!(
+            polled <= REQUESTS * 2 + REQUESTS / 2,
+            "{polled} polls of the connection's task for {REQUESTS} requests"
+        );
     }
 
     /// A client that resets its stream cancels the request: the service's
