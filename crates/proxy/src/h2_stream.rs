@@ -32,6 +32,10 @@ impl RecvBody {
             data_done: false,
         }
     }
+
+    pub fn into_stream(self) -> h2::RecvStream {
+        self.recv
+    }
 }
 
 impl Body for RecvBody {
