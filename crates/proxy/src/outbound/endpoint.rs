@@ -145,7 +145,7 @@ impl Outbound {
                         // would attract traffic).
                         ep.request_failed();
                     } else {
-                        in_flight.observe(sent.elapsed());
+                        in_flight.observe(sent);
                     }
                     let (mut parts, body) = rsp.into_parts();
                     // linkerd2-proxy's inbound marks its answer to a marked
