@@ -66,8 +66,10 @@ struct Shared {
     /// the task is woken for anyway, both wake-ups are one. A stream kept
     /// here holds no window and no place among the concurrent streams
     /// (h2 counts those as the stream closes), only its entry in h2's
-    /// table.
-    finished: Mutex<Vec<h2::RecvStream>>,
+    /// table, and a reference that keeps h2 from closing the connection:
+    /// `None` once every handle is gone (no next request will come), and
+    /// a stream that finishes after that is let go of at once.
+    finished: Mutex<Option<Vec<h2::RecvStream>>>,
     /// Polls of the connection's task.
     #[cfg(test)]
     polls: AtomicUsize,
@@ -77,13 +79,20 @@ impl Shared {
     /// Keeps `recv` until the next request, if there is room.
     fn finish(&self, recv: h2::RecvStream) {
         let mut finished = self.finished.lock().unwrap();
-        if finished.len() < MAX_FINISHED {
+        if let Some(finished) = finished.as_mut().filter(|f| f.len() < MAX_FINISHED) {
             finished.push(recv);
         }
     }
 
     fn let_go_of_finished(&self) {
-        self.finished.lock().unwrap().clear();
+        if let Some(finished) = self.finished.lock().unwrap().as_mut() {
+            finished.clear();
+        }
+    }
+
+    /// No request will come any more: nothing is kept from now on.
+    fn keep_no_finished(&self) {
+        self.finished.lock().unwrap().take();
     }
 }
 
@@ -142,7 +151,10 @@ pub(super) async fn handshake<I>(io: I, addr: std::net::SocketAddr) -> Result<H2
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let shared = Arc::new(Shared::default());
+    let shared = Arc::new(Shared {
+        finished: Mutex::new(Some(Vec::new())),
+        ..Shared::default()
+    });
     let io = CountReads {
         io,
         shared: shared.clone(),
@@ -256,7 +268,7 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Future for Driver<I> {
             // kept for the next request are let go of: none will come).
             if Pin::new(handles).poll(cx).is_ready() {
                 this.handles = None;
-                this.shared.let_go_of_finished();
+                this.shared.keep_no_finished();
             }
         }
         // Marked closed before the connection is dropped, which is what
@@ -682,12 +694,13 @@ mod tests {
             polled <= REQUESTS * 2 + REQUESTS / 2,
             "{polled} polls of the connection's task for {REQUESTS} requests"
         );
-        assert_eq!(h2.shared.finished.lock().unwrap().len(), 1);
+        let kept = || h2.shared.finished.lock().unwrap().as_ref().map(Vec::len);
+        assert_eq!(kept(), Some(1));
         // Not read to its end: not kept.
         let rsp = send_empty(&h2).await.unwrap();
-        assert!(h2.shared.finished.lock().unwrap().is_empty());
+        assert_eq!(kept(), Some(0));
         drop(rsp);
-        assert!(h2.shared.finished.lock().unwrap().is_empty());
+        assert_eq!(kept(), Some(0));
     }
 
     /// A request given up before its response (the response timeout, a
@@ -767,6 +780,25 @@ mod tests {
             assert_ne!(kind, 0x7, "closed while it may still be used");
         }
         drop(h2);
+        read_by_peer(&mut frames, 0x7).await;
+    }
+
+    /// The same when the last handle goes before the last response is
+    /// read: its stream, finished afterwards, is not kept for a next
+    /// request that cannot come (h2 would not close a connection a stream
+    /// handle still refers to).
+    #[tokio::test]
+    async fn a_connection_is_closed_when_its_last_response_ends_after_its_handles() {
+        let (addr, mut frames) = raw_peer(frame(0x1, 0x5, 1, &[0x88])).await;
+        let h2 = connect(addr).await;
+        let rsp = send_empty(&h2).await.expect("answered");
+        drop(h2);
+        tokio::task::yield_now().await;
+        while let Ok((kind, _, _)) = frames.try_recv() {
+            assert_ne!(kind, 0x7, "closed while a response is being read");
+        }
+        assert!(rsp.body().is_end_stream());
+        drop(rsp);
         read_by_peer(&mut frames, 0x7).await;
     }
 
