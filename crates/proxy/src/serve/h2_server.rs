@@ -562,6 +562,41 @@ mod tests {
         );
     }
 
+    /// A stream whose handling wakes itself on every poll gets a few
+    /// passes per poll of the connection's task, then the task yields:
+    /// the runtime's other tasks run, and the connection's other streams
+    /// are answered meanwhile.
+    #[tokio::test]
+    async fn a_stream_that_keeps_waking_itself_starves_nothing() {
+        let (addr, _drain) = listen(|req: Request<RequestBody>| async move {
+            if req.uri().path() == "/spin" {
+                // Forever ready to run, never done.
+                poll_fn(|cx: &mut Context<'_>| {
+                    cx.waker().wake_by_ref();
+                    Poll::<()>::Pending
+                })
+                .await;
+            }
+            Response::new(crate::http::full("hello"))
+        })
+        .await;
+        let (send, _conn) = connect(addr).await;
+        let mut send = within("ready", send.ready()).await.unwrap();
+        let spin = Request::get("http://test.example/spin").body(()).unwrap();
+        let (_spinning, _) = send.send_request(spin, true).unwrap();
+        // Another task of the runtime gets its turns.
+        let ticks = tokio::spawn(async {
+            for _ in 0..100 {
+                tokio::task::yield_now().await;
+            }
+        });
+        within("the other task's turns", ticks).await.unwrap();
+        // And the connection answers its other streams.
+        let (rsp, _) = send.send_request(get(), true).unwrap();
+        let rsp = within("the other stream's response", rsp).await.unwrap();
+        assert_eq!(rsp.status(), http::StatusCode::OK);
+    }
+
     /// A client that resets its stream cancels the request: the service's
     /// future is dropped (the proxied request with it), not left running.
     #[tokio::test]
