@@ -152,7 +152,11 @@ where
             }
             // Only when woken: h2 wakes the connection for whatever it
             // must do (bytes to read, or a stream's send: each wakes it),
-            // as it does when each stream has a task of its own.
+            // as it does when each stream has a task of its own. Not
+            // every h2 call that queues a frame wakes it (capacity that
+            // `reserve_capacity` assigns to data already buffered does
+            // not): a stream sends only within the capacity it was
+            // granted (`send_body`), so it never buffers such data.
             if wakes.connection.swap(false, Ordering::SeqCst) {
                 match conn.poll_accept(&mut Context::from_waker(&for_connection)) {
                     Poll::Ready(Some(Ok(accepted))) => {
