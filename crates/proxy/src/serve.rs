@@ -442,7 +442,12 @@ where
             req.extensions_mut().insert(slot.clone());
         }
         let guard = InFlightGuard::new(&tracker);
-        (service(req), guard)
+        // Boxed (made in its box): each protocol moves the request's
+        // future (hyper into its dispatcher; HTTP/2 into the connection's
+        // set and again inside `respond` and `tracked`); inline, the state
+        // machine of a whole proxied request made those moves up to ~35 KB
+        // of copying per request (a uprobe on memmove).
+        (crate::boxed(|| service(req)), guard)
     };
     let closing = async {
         tokio::select! {
@@ -474,12 +479,7 @@ where
         let stall = limits.idle_timeout;
         let stream = move |req: Request<_>, reply| {
             let (handling, guard) = start(req.map(RequestBody::Http2));
-            // Boxed, as for HTTP/1: each stream's future is moved into the
-            // connection's set and again inside `respond` and `tracked`;
-            // inline, the state machine of a whole proxied request made
-            // those moves up to ~35 KB of copying per request (a uprobe on
-            // memmove), against one copy of it into the box.
-            h2_server::respond(tracked(Box::pin(handling), guard), reply, stall)
+            h2_server::respond(tracked(handling, guard), reply, stall)
         };
         // Once told to close, what `finish` bounds for HTTP/1.
         let cut_off = idle_for(&in_flight, limits.drain_timeout);
@@ -497,10 +497,6 @@ where
     } else {
         let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
             let (handling, guard) = start(req.map(RequestBody::Http1));
-            // Boxed: hyper moves the request's future into its
-            // dispatcher; a pointer is cheaper to move than the state
-            // machine of a whole proxied request.
-            let handling = Box::pin(handling);
             async move { Ok::<_, Infallible>(tracked(handling, guard).await) }
         });
         // hyper's HTTP/1 server would wait for a client that never reads

@@ -110,8 +110,9 @@ impl Outbound {
                         };
                         // The route step is boxed where it is made: boxing
                         // the timeout around it would copy it twice more.
-                        let routed =
-                            Box::pin(self.route(svc.clone(), authority, req, absolute, plan));
+                        let routed = crate::boxed(|| {
+                            self.route(svc.clone(), authority, req, absolute, plan)
+                        });
                         self.within_response_timeout(routed, profile, sent).await
                     }
                     Ok(Some(routes)) => {
@@ -138,8 +139,10 @@ impl Outbound {
                                     authority,
                                     orig_authority: &orig_authority,
                                 };
-                                Box::pin(self.follow_route(target, selected, req, sent, absolute))
-                                    .await
+                                crate::boxed(|| {
+                                    self.follow_route(target, selected, req, sent, absolute)
+                                })
+                                .await
                             }
                         }
                     }

@@ -197,13 +197,15 @@ impl Outbound {
             budget: target.logical.retry_budget(),
             route: rule.retry.as_ref(),
         };
-        let routed = Box::pin(self.route(
-            svc,
-            target.authority,
-            Request::from_parts(parts, body),
-            absolute,
-            plan,
-        ));
+        let routed = crate::boxed(|| {
+            self.route(
+                svc,
+                target.authority,
+                Request::from_parts(parts, body),
+                absolute,
+                plan,
+            )
+        });
         // The route's timeout is the service's one source of truth while a
         // policy is in force (the default route carries the profile's).
         let response_timeout = TimeoutSource::Route(rule.timeouts.response);
@@ -286,7 +288,7 @@ impl Outbound {
                 }
                 _ => unreachable!("a request that cannot be sent again is sent once"),
             };
-            let attempt = Box::pin(self.attempt(&mut ctx, attempt_parts, attempt_body));
+            let attempt = crate::boxed(|| self.attempt(&mut ctx, attempt_parts, attempt_body));
             let attempt = match route_retry.and_then(|r| r.timeout) {
                 Some(limit) => tokio::time::timeout(limit, attempt)
                     .await
