@@ -457,7 +457,7 @@ impl Sender {
         let body = H2Body {
             body: Some(RecvBody::new(recv, &parts.headers)),
             in_flight,
-            _pipe: pipe,
+            pipe,
         };
         Ok(Response::from_parts(parts, body))
     }
@@ -529,7 +529,7 @@ pub struct H2Body {
     body: Option<RecvBody>,
     in_flight: InFlight,
     /// The request body's pipe, when it had one.
-    _pipe: Option<CancelOnDrop>,
+    pipe: Option<CancelOnDrop>,
 }
 
 impl hyper::body::Body for H2Body {
@@ -563,7 +563,7 @@ impl Drop for H2Body {
         // to its end, or whose request body is still being sent, is reset
         // (or its window given back) as its handle goes, at once.
         if let Some(body) = self.body.take() {
-            if self._pipe.is_none() && body.is_end_stream() {
+            if self.pipe.is_none() && body.is_end_stream() {
                 self.in_flight.0.finish(body.into_stream());
             }
         }
