@@ -136,32 +136,4 @@ pub fn metric_sum(scrape: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-/// `n` free loopback addresses below the kernel's ephemeral port range, so
-/// a process killed and restarted on one finds it free: a port the OS
-/// picked for `:0` can meanwhile be handed to an outgoing connection.
-pub fn reserve_ports(n: usize) -> anyhow::Result<Vec<std::net::SocketAddr>> {
-    let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(32768);
-    let (low, high) = (
-        ephemeral_low.saturating_sub(16_000).max(1024),
-        ephemeral_low,
-    );
-    // Start somewhere that depends on our pid, so concurrent runs rarely probe the same ports.
-    let span = u32::from(high - low);
-    let start = low as u32 + std::process::id() * 97 % span;
-    let mut out = Vec::with_capacity(n);
-    for i in 0..span {
-        if out.len() == n {
-            break;
-        }
-        let port = (low as u32 + (start - low as u32 + i) % span) as u16;
-        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-        if std::net::TcpListener::bind(addr).is_ok() {
-            out.push(addr);
-        }
-    }
-    anyhow::ensure!(out.len() == n, "only {} free ports below {high}", out.len());
-    Ok(out)
-}
+pub use tether_mesh_up::ports::reserve_ports;

@@ -779,7 +779,9 @@ async fn main() -> anyhow::Result<()> {
         None
     };
     let pods = |k: usize| node.as_ref().map(|n| (n.client(k), n.server(k)));
-    let ports = tether_bench::reserve_ports(3)?;
+    // All at once: a port reserved is free until its owner binds it, so a
+    // second call could hand out one of these again.
+    let ports = tether_bench::reserve_ports(5)?;
 
     // The backend every route ends at: one on loopback, one per server pod
     // with --netns.
@@ -815,8 +817,7 @@ async fn main() -> anyhow::Result<()> {
         haproxies.push(("haproxy", "haproxy", (ports[1], ports[2]), false));
     }
     if http1 && args.haproxy_mtls {
-        let more = tether_bench::reserve_ports(2)?;
-        haproxies.push((HAPROXY_MTLS, "haproxy-mtls", (more[0], more[1]), true));
+        haproxies.push((HAPROXY_MTLS, "haproxy-mtls", (ports[3], ports[4]), true));
     }
     for (name, file, loopback_ports, mtls) in haproxies {
         let k = routes.len();

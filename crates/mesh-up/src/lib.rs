@@ -18,6 +18,7 @@ pub mod demo_app;
 pub mod demo_grpc;
 pub mod loadgen;
 pub mod manifest;
+pub mod ports;
 pub mod process;
 pub mod stats;
 pub mod up;

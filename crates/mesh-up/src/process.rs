@@ -4,6 +4,7 @@
 //! learns ports the OS chose.
 
 use std::collections::HashMap;
+use std::io::{Read as _, Seek as _};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -136,6 +137,35 @@ fn reports_version(exe: &Path, version: &str) -> bool {
 /// passed over (it prints and exits at once).
 const VERSION_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The last lines of a child's log, for an error that says why it stopped
+/// without sending the reader to a file that may be gone by then (a run's
+/// directory is removed on exit). Bounded: a child's output is not ours.
+fn log_tail(log: &Path) -> String {
+    const MAX_BYTES: u64 = 2048;
+    const MAX_LINES: usize = 10;
+    let read = || -> std::io::Result<Vec<u8>> {
+        let mut f = std::fs::File::open(log)?;
+        let len = f.metadata()?.len();
+        f.seek(std::io::SeekFrom::Start(len.saturating_sub(MAX_BYTES)))?;
+        let mut buf = Vec::new();
+        f.take(MAX_BYTES).read_to_end(&mut buf)?;
+        Ok(buf)
+    };
+    match read() {
+        Ok(buf) => {
+            let text = String::from_utf8_lossy(&buf);
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = lines[lines.len().saturating_sub(MAX_LINES)..].join("\n");
+            if tail.trim().is_empty() {
+                "(empty)".to_string()
+            } else {
+                tail
+            }
+        }
+        Err(e) => format!("(unreadable: {e})"),
+    }
+}
+
 pub struct Process {
     pub name: String,
     pub addrs: HashMap<String, SocketAddr>,
@@ -178,7 +208,11 @@ impl Process {
         let wait = async {
             while expect.iter().any(|e| !addrs.contains_key(*e)) {
                 let Some(line) = lines.next_line().await? else {
-                    bail!("{name} exited before it was ready; see {}", log.display());
+                    bail!(
+                        "{name} exited before it was ready; the end of {}:\n{}",
+                        log.display(),
+                        log_tail(log)
+                    );
                 };
                 let mut parts = line.split_whitespace();
                 if let (Some("listening"), Some(what), Some(addr)) =
@@ -241,6 +275,25 @@ impl Process {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_tail_is_its_last_lines_and_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("x.log");
+        let mut text: String = (0..100).map(|i| format!("line {i}\n")).collect();
+        text.push_str("Error: binding 127.0.0.1:1: Address already in use\n");
+        std::fs::write(&log, &text).unwrap();
+        let tail = log_tail(&log);
+        assert!(tail.ends_with("Address already in use"), "{tail}");
+        assert_eq!(tail.lines().count(), 10);
+        assert!(tail.starts_with("line 91"), "{tail}");
+
+        std::fs::write(&log, "x".repeat(1 << 20)).unwrap();
+        assert_eq!(log_tail(&log).len(), 2048);
+        std::fs::write(&log, "").unwrap();
+        assert_eq!(log_tail(&log), "(empty)");
+        assert!(log_tail(&dir.path().join("missing")).starts_with("(unreadable: "));
+    }
 
     #[test]
     fn the_proxy_only_binary_beside_tether_runs_the_sidecars() {

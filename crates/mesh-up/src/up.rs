@@ -135,12 +135,6 @@ async fn wait_ready(admins: &[SocketAddr]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A port the OS says is free now, for addresses other processes must know
-/// before the owner starts (export APIs and gateways of linked clusters).
-fn reserve_port() -> anyhow::Result<SocketAddr> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
-}
-
 struct Replica {
     name: String,
     service: String,
@@ -679,8 +673,10 @@ async fn start_and_run(
     let m = &config.manifest;
     let specs = m.cluster_specs();
     let mut reserved = Reserved::new();
-    for s in specs.iter().filter(|s| !s.name.is_empty()) {
-        reserved.insert(s.name.clone(), (reserve_port()?, reserve_port()?));
+    let named: Vec<_> = specs.iter().filter(|s| !s.name.is_empty()).collect();
+    let ports = crate::ports::reserve_ports(2 * named.len())?;
+    for (s, pair) in named.iter().zip(ports.chunks_exact(2)) {
+        reserved.insert(s.name.clone(), (pair[0], pair[1]));
     }
     let identity = if m.identity {
         Some(Identity::create(run_dir, &m.cluster_domain)?)
