@@ -501,6 +501,52 @@ async fn a_slowloris_client_is_closed_after_the_header_read_timeout() {
     assert!(closed.await, "a slow header kept the connection open");
 }
 
+/// The header-read timeout bounds an HTTP/1 connection's wait for a head,
+/// and so its idle time; an HTTP/2 connection, once told apart, has the
+/// idle timeout.
+#[tokio::test]
+async fn an_idle_http2_connection_is_not_held_to_the_header_read_timeout() {
+    let scratch = Scratch::new();
+    let control = scratch.control().await;
+    let client = scratch
+        .proxy(
+            "client",
+            control.addr("grpc"),
+            None,
+            &["--header-read-timeout", "1", "--idle-timeout", "60"],
+        )
+        .await;
+    let stream = tokio::net::TcpStream::connect(client.addr("outbound"))
+        .await
+        .unwrap();
+    let (_send, conn) =
+        hyper::client::conn::http2::handshake::<_, _, http_body_util::Empty<bytes::Bytes>>(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(stream),
+        )
+        .await
+        .unwrap();
+    let http2 = tokio::spawn(conn);
+    // A head that stops after the bytes that tell HTTP/1 apart.
+    let mut http1 = tokio::net::TcpStream::connect(client.addr("outbound"))
+        .await
+        .unwrap();
+    http1
+        .write_all(b"GET / HTTP/1.1\r\nhost: web\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 64];
+    let closed = tokio::time::timeout(Duration::from_secs(20), http1.read(&mut buf)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0) | Err(_))),
+        "the HTTP/1 connection was not closed: {closed:?}"
+    );
+    // Closing the HTTP/1 one took at least one header-read timeout; one
+    // more, and the HTTP/2 one, as idle, is still open.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!http2.is_finished(), "an idle HTTP/2 connection was closed");
+}
+
 #[tokio::test]
 async fn a_service_sets_its_own_response_timeout() {
     let scratch = Scratch::new();

@@ -35,7 +35,9 @@ pub struct ServeArgs {
     /// half the fd limit left after a reserve for admin and control plane).
     #[arg(long)]
     pub max_connections: Option<usize>,
-    /// Seconds a client may take to send a request's HTTP/1 headers.
+    /// Seconds a client may take to send a request's HTTP/1 headers: an
+    /// HTTP/1 connection with no request in flight is closed between one
+    /// and two of these after its last request (the shorter idle bound).
     #[arg(long, default_value = "10", value_parser = parse_positive_secs)]
     pub header_read_timeout: Duration,
     /// Seconds a client connection may stay open with no request in flight;

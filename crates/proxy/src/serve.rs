@@ -22,7 +22,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
@@ -31,7 +31,7 @@ use bytes::Bytes;
 use futures::task::AtomicWaker;
 use http::{Request, Response};
 use hyper::body::{Frame, Incoming, SizeHint};
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use tether_admin::Shutdown;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
@@ -256,28 +256,61 @@ where
     F: Future<Output = Result<(), E>>,
     E: From<&'static str>,
 {
+    let limit = IdleLimit::new(limit);
     tokio::select! {
         biased;
         result = conn => result,
-        _ = idle_for(in_flight, limit) => {
+        _ = idle_for(in_flight, &limit) => {
             Err("the client did not finish closing the connection within the drain timeout".into())
         }
     }
 }
 
+/// Why a connection's `closing` wait ended.
+enum Closing {
+    /// No request in flight for the connection's limit.
+    Idle,
+    /// The proxy drains.
+    Drain,
+}
+
+/// How long a connection may go without a request in flight: shared
+/// with [`idle_for`], and raised once the connection's protocol is known.
+struct IdleLimit(AtomicU64);
+
+impl IdleLimit {
+    fn new(limit: Duration) -> Self {
+        Self(AtomicU64::new(Self::nanos(limit)))
+    }
+
+    fn nanos(limit: Duration) -> u64 {
+        u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn get(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
+    }
+
+    /// Takes effect when the timer set for the old limit ends.
+    fn raise(&self, limit: Duration) {
+        self.0.fetch_max(Self::nanos(limit), Ordering::Relaxed);
+    }
+}
+
 /// Resolves once the connection has had no request in flight for
-/// `timeout`: when the timer ends and requests came meanwhile, it starts
-/// again (so a connection closes between one and two timeouts after its
+/// `limit`: when the timer ends and requests came meanwhile, it starts
+/// again (so a connection closes between one and two limits after its
 /// last request).
 ///
 /// It may be polled on every wake-up of its connection's task, several
 /// per request. Such a poll reads the count and looks at the timer's
 /// state (atomic reads), and while requests are in flight registers the
 /// waker for the last one's end; the timer is an [`ArmedSleep`](crate::wait::ArmedSleep),
-/// polled only when that may be news, and reset once per timeout, not
+/// polled only when that may be news, and reset once per limit, not
 /// per request.
-async fn idle_for(in_flight: &InFlight, timeout: Duration) {
-    let mut timer = crate::wait::ArmedSleep::new(tokio::time::Instant::now() + timeout);
+async fn idle_for(in_flight: &InFlight, limit: &IdleLimit) {
+    let mut armed_at = tokio::time::Instant::now();
+    let mut timer = crate::wait::ArmedSleep::new(armed_at + limit.get());
     let mut counted_from = in_flight.started.load(Ordering::Acquire);
     let mut busy = false;
     std::future::poll_fn(|cx| {
@@ -298,12 +331,19 @@ async fn idle_for(in_flight: &InFlight, timeout: Duration) {
             if !timer.ended(cx) {
                 return Poll::Pending;
             }
+            // Raised since the timer was set: the rest of the new limit.
+            let due = armed_at + limit.get();
+            if tokio::time::Instant::now() < due {
+                timer.set(due);
+                continue;
+            }
             let started = in_flight.started.load(Ordering::Acquire);
             if !busy && started == counted_from {
                 return Poll::Ready(());
             }
             (busy, counted_from) = (false, started);
-            timer.set(tokio::time::Instant::now() + timeout);
+            armed_at = tokio::time::Instant::now();
+            timer.set(armed_at + limit.get());
         }
     })
     .await
@@ -449,13 +489,20 @@ where
         // of copying per request (a uprobe on memmove).
         (crate::boxed(|| service(req)), guard)
     };
+    // No request in flight on an HTTP/1 connection means waiting for the
+    // next request's head: `--header-read-timeout` bounds that wait (and a
+    // slow head), as hyper's header-read timer did, which it made, armed
+    // and dropped for every request (~0.7k instructions a request). Until
+    // the protocol is known, the shorter limit; HTTP/2 raises it.
+    let idle_limit = IdleLimit::new(limits.idle_timeout.min(limits.header_read_timeout));
     let closing = async {
         tokio::select! {
             biased;
-            _ = idle_for(&in_flight, limits.idle_timeout) => {
+            _ = idle_for(&in_flight, &idle_limit) => {
                 limits.metrics.close_connection(direction, "idle");
+                Closing::Idle
             }
-            _ = drained(&mut drain) => {}
+            _ = drained(&mut drain) => Closing::Drain,
         }
     };
     tokio::pin!(closing);
@@ -469,6 +516,7 @@ where
     };
     let io = crate::detect::PrefixedIo::new(read, io);
     let result = if http2 {
+        idle_limit.raise(limits.idle_timeout);
         let h2_limits = h2_server::Limits {
             max_streams: MAX_STREAMS,
             max_header_list_size: MAX_HEADER_LIST_SIZE,
@@ -482,10 +530,11 @@ where
             h2_server::respond(tracked(handling, guard), reply, stall)
         };
         // Once told to close, what `finish` bounds for HTTP/1.
-        let cut_off = idle_for(&in_flight, limits.drain_timeout);
+        let drain_limit = IdleLimit::new(limits.drain_timeout);
+        let cut_off = idle_for(&in_flight, &drain_limit);
         let lingering = std::sync::Mutex::new(None);
         let closing = async {
-            closing.await;
+            let _ = closing.await;
             *lingering.lock().unwrap_or_else(|e| e.into_inner()) = socket.and_then(hold_socket);
         };
         let served = h2_server::serve(io, h2_limits, stream, closing, cut_off).await;
@@ -503,8 +552,9 @@ where
         // for good, holding the response and the app connection behind it.
         let io = write_stall::WriteStall::new(io, limits.idle_timeout, socket);
         let conn = hyper::server::conn::http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_read_timeout)
+            // `idle_limit` bounds the wait for a head instead (no timer,
+            // so no default of hyper's either).
+            .header_read_timeout(None)
             .max_buf_size(MAX_HEADER_LIST_SIZE as usize)
             .serve_connection(TokioIo::new(io), svc)
             .with_upgrades();
@@ -519,10 +569,15 @@ where
         tokio::select! {
             biased;
             result = conn.as_mut() => result.map_err(ended),
-            _ = when_woken(closing.as_mut()) => {
-                conn.as_mut().graceful_shutdown();
-                let finishing = async { conn.await.map_err(ended) };
-                finish(finishing, &in_flight, limits.drain_timeout).await
+            closed = when_woken(closing.as_mut()) => match closed {
+                // Nothing in flight for the limit: no response to finish,
+                // and a head still being read is not waited for.
+                Closing::Idle => Ok(()),
+                Closing::Drain => {
+                    conn.as_mut().graceful_shutdown();
+                    let finishing = async { conn.await.map_err(ended) };
+                    finish(finishing, &in_flight, limits.drain_timeout).await
+                }
             }
         }
     };
@@ -644,7 +699,7 @@ mod idle_tests {
 
     use tokio::time::{advance, Instant};
 
-    use super::{drained, idle_for, InFlight, InFlightGuard};
+    use super::{drained, idle_for, IdleLimit, InFlight, InFlightGuard};
 
     const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -656,7 +711,8 @@ mod idle_tests {
     #[tokio::test(start_paused = true)]
     async fn a_connection_is_idle_between_one_and_two_timeouts_after_its_last_request() {
         let in_flight = Arc::new(InFlight::default());
-        let idle = idle_for(&in_flight, TIMEOUT);
+        let limit = IdleLimit::new(TIMEOUT);
+        let idle = idle_for(&in_flight, &limit);
         tokio::pin!(idle);
         // A request in flight for longer than the timeout: never idle.
         let guard = InFlightGuard::new(&in_flight);
@@ -682,8 +738,24 @@ mod idle_tests {
     async fn a_connection_without_requests_is_idle_after_the_timeout() {
         let in_flight = InFlight::default();
         let start = Instant::now();
-        idle_for(&in_flight, TIMEOUT).await;
+        idle_for(&in_flight, &IdleLimit::new(TIMEOUT)).await;
         assert_eq!(start.elapsed(), TIMEOUT);
+    }
+
+    /// What an HTTP/2 connection does: it starts with the header-read
+    /// limit while its protocol is unknown, then raises it.
+    #[tokio::test(start_paused = true)]
+    async fn a_raised_limit_counts_from_when_the_timer_was_set() {
+        let in_flight = InFlight::default();
+        let limit = IdleLimit::new(TIMEOUT);
+        let start = Instant::now();
+        let idle = idle_for(&in_flight, &limit);
+        tokio::pin!(idle);
+        assert!(!resolves_within(idle.as_mut(), Duration::from_secs(1)).await);
+        limit.raise(TIMEOUT * 6);
+        limit.raise(TIMEOUT); // never lowered
+        idle.await;
+        assert_eq!(start.elapsed(), TIMEOUT * 6);
     }
 
     /// A wait behind `when_woken` is polled first, then only after it woke
