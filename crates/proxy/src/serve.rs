@@ -416,7 +416,49 @@ async fn drained(drain: &mut watch::Receiver<bool>) {
 /// without a body (most) costs no allocation for it either way.
 pub enum RequestBody {
     Http1(Incoming),
+    /// An HTTP/1 body still to come when the request started.
+    Http1Unread(UnreadBody),
     Http2(crate::h2_stream::RecvBody),
+}
+
+impl RequestBody {
+    /// hyper's body for a request of the connection `in_flight` counts:
+    /// one still to come holds the count until it ends or is dropped.
+    /// hyper goes on reading it after the response may have ended (an
+    /// upload the app answered early), and a connection reading a body
+    /// is not waiting for a head: the idle watchdog, which bounds that
+    /// wait, would cut it.
+    fn http1(body: Incoming, in_flight: &Arc<InFlight>) -> Self {
+        if hyper::body::Body::is_end_stream(&body) {
+            return RequestBody::Http1(body);
+        }
+        RequestBody::Http1Unread(UnreadBody {
+            body,
+            _held: Some(InFlightGuard::new(in_flight)),
+        })
+    }
+}
+
+/// See [`RequestBody::http1`].
+pub struct UnreadBody {
+    body: Incoming,
+    _held: Option<InFlightGuard>,
+}
+
+impl UnreadBody {
+    fn poll_frame(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, crate::http::BodyError>>> {
+        use hyper::body::Body as _;
+        let polled = Pin::new(&mut self.body).poll_frame(cx).map_err(Into::into);
+        if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_))))
+            || self.body.is_end_stream()
+        {
+            self._held = None;
+        }
+        polled
+    }
 }
 
 impl hyper::body::Body for RequestBody {
@@ -429,6 +471,7 @@ impl hyper::body::Body for RequestBody {
     ) -> Poll<Option<Result<Frame<Bytes>, crate::http::BodyError>>> {
         match self.get_mut() {
             RequestBody::Http1(body) => Pin::new(body).poll_frame(cx).map_err(Into::into),
+            RequestBody::Http1Unread(body) => body.poll_frame(cx),
             RequestBody::Http2(body) => Pin::new(body).poll_frame(cx),
         }
     }
@@ -436,6 +479,7 @@ impl hyper::body::Body for RequestBody {
     fn is_end_stream(&self) -> bool {
         match self {
             RequestBody::Http1(body) => body.is_end_stream(),
+            RequestBody::Http1Unread(body) => body.body.is_end_stream(),
             RequestBody::Http2(body) => body.is_end_stream(),
         }
     }
@@ -443,6 +487,7 @@ impl hyper::body::Body for RequestBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             RequestBody::Http1(body) => body.size_hint(),
+            RequestBody::Http1Unread(body) => body.body.size_hint(),
             RequestBody::Http2(body) => body.size_hint(),
         }
     }
@@ -544,8 +589,9 @@ where
         }
         served
     } else {
+        let reading = in_flight.clone();
         let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-            let (handling, guard) = start(req.map(RequestBody::Http1));
+            let (handling, guard) = start(req.map(|body| RequestBody::http1(body, &reading)));
             async move { Ok::<_, Infallible>(tracked(handling, guard).await) }
         });
         // hyper's HTTP/1 server would wait for a client that never reads
@@ -570,8 +616,11 @@ where
             biased;
             result = conn.as_mut() => result.map_err(ended),
             closed = when_woken(closing.as_mut()) => match closed {
-                // Nothing in flight for the limit: no response to finish,
-                // and a head still being read is not waited for.
+                // Nothing in flight for the limit: no request to finish
+                // (a response's last bytes, handed to hyper that long ago
+                // and still unflushed, are a client that does not read;
+                // hyper's header-read timer cut it as well), and a head
+                // still being read is not waited for.
                 Closing::Idle => Ok(()),
                 Closing::Drain => {
                     conn.as_mut().graceful_shutdown();

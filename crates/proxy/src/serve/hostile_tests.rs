@@ -27,6 +27,9 @@ enum Answer {
     Big,
     /// [`panicky`]'s.
     Panicky,
+    /// At once, while a task reads the request's body and sends how many
+    /// bytes it read.
+    Early(tokio::sync::mpsc::Sender<usize>),
 }
 
 /// A listener for one client connection, served by `serve_http` with
@@ -63,9 +66,73 @@ async fn serve_one(
             Answer::Empty => serve_http(stream, empty_answer, conn).await,
             Answer::Big => serve_http(stream, big_answer, conn).await,
             Answer::Panicky => serve_http(stream, panicky, conn).await,
+            Answer::Early(read) => {
+                let answer = move |req| early_answer(req, read.clone());
+                serve_http(stream, answer, conn).await
+            }
         }
     };
     (addr, server, drain_tx)
+}
+
+async fn early_answer(
+    req: http::Request<super::RequestBody>,
+    read: tokio::sync::mpsc::Sender<usize>,
+) -> http::Response<crate::http::Body> {
+    tokio::spawn(async move {
+        use http_body_util::BodyExt;
+        let mut body = req.into_body();
+        let mut bytes = 0;
+        // To its end as a sender reads it: hyper's last chunk comes before
+        // the end of the body is known to the reader.
+        while !hyper::body::Body::is_end_stream(&body) {
+            match body.frame().await {
+                Some(Ok(frame)) => bytes += frame.data_ref().map_or(0, |d| d.len()),
+                _ => break,
+            }
+        }
+        let _ = read.send(bytes).await;
+    });
+    http::Response::new(crate::http::empty())
+}
+
+/// An upload the app answers before it has all of it: the connection
+/// reads the rest, though past the header-read timeout with no response
+/// in flight (the wait for a head, which that timeout bounds, has not
+/// begun).
+#[tokio::test]
+async fn an_http1_body_still_coming_after_its_response_is_read_to_its_end() {
+    let config = ServeConfig {
+        header_read_timeout: Duration::from_secs(1),
+        ..ServeConfig::default()
+    };
+    let started = std::time::Instant::now();
+    let (read_tx, mut read) = tokio::sync::mpsc::channel(1);
+    let (addr, server, _drain) = serve_one(config, WAIT, Answer::Early(read_tx)).await;
+    let client = async {
+        let mut conn = TcpStream::connect(addr).await.unwrap();
+        conn.write_all(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 12\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 256];
+        let n = tokio::time::timeout(WAIT, conn.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &buf[..n]);
+        // Three seconds of body after the response: past one and two
+        // header-read timeouts.
+        for _ in 0..12 {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            conn.write_all(b"x").await.unwrap();
+        }
+        let bytes = tokio::time::timeout(WAIT, read.recv()).await.unwrap();
+        assert_eq!(bytes, Some(12), "the body was cut");
+    };
+    tokio::select! {
+        _ = server => panic!("the connection ended before its body, at {:?}", started.elapsed()),
+        _ = client => {}
+    }
 }
 
 async fn big_answer<B>(_req: http::Request<B>) -> http::Response<crate::http::Body> {
