@@ -465,18 +465,20 @@ async fn a_grpc_call_to_an_app_that_never_answers_gets_deadline_exceeded() {
     assert_eq!(rsp.headers()["grpc-status"], "4", "{:?}", rsp.headers());
 }
 
-#[tokio::test]
-async fn a_slowloris_client_is_closed_after_the_header_read_timeout() {
+/// A client proxy with `args`, its control plane and their directory
+/// (each stops when dropped).
+async fn client_proxy(args: &[&str]) -> (Process, Process, Scratch) {
     let scratch = Scratch::new();
     let control = scratch.control().await;
     let client = scratch
-        .proxy(
-            "client",
-            control.addr("grpc"),
-            None,
-            &["--header-read-timeout", "1"],
-        )
+        .proxy("client", control.addr("grpc"), None, args)
         .await;
+    (client, control, scratch)
+}
+
+#[tokio::test]
+async fn a_slowloris_client_is_closed_after_the_header_read_timeout() {
+    let (client, _control, _scratch) = client_proxy(&["--header-read-timeout", "1"]).await;
     let mut conn = tokio::net::TcpStream::connect(client.addr("outbound"))
         .await
         .unwrap();
@@ -506,16 +508,8 @@ async fn a_slowloris_client_is_closed_after_the_header_read_timeout() {
 /// idle timeout.
 #[tokio::test]
 async fn an_idle_http2_connection_is_not_held_to_the_header_read_timeout() {
-    let scratch = Scratch::new();
-    let control = scratch.control().await;
-    let client = scratch
-        .proxy(
-            "client",
-            control.addr("grpc"),
-            None,
-            &["--header-read-timeout", "1", "--idle-timeout", "60"],
-        )
-        .await;
+    let (client, _control, _scratch) =
+        client_proxy(&["--header-read-timeout", "1", "--idle-timeout", "60"]).await;
     let stream = tokio::net::TcpStream::connect(client.addr("outbound"))
         .await
         .unwrap();
