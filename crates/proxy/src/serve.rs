@@ -537,7 +537,7 @@ where
     // No request in flight on an HTTP/1 connection means waiting for the
     // next request's head: `--header-read-timeout` bounds that wait (and a
     // slow head), as hyper's header-read timer did, which it made, armed
-    // and dropped for every request (~0.7k instructions a request). Until
+    // and dropped for every request (~1.0k instructions a request). Until
     // the protocol is known, the shorter limit; HTTP/2 raises it.
     let idle_limit = IdleLimit::new(limits.idle_timeout.min(limits.header_read_timeout));
     let closing = async {
