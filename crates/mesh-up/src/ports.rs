@@ -14,10 +14,7 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 /// can take it, and each probe is held until all `n` are found, so no two
 /// are the same.
 pub fn reserve_ports(n: usize) -> anyhow::Result<Vec<SocketAddr>> {
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| parse_port_range(&s))
-        .unwrap_or((32768, 60999));
+    let ephemeral = ephemeral_range();
     let candidates = ports_outside(ephemeral);
     let start = rand::random_range(0..candidates.len());
     let mut held = Vec::with_capacity(n);
@@ -40,6 +37,15 @@ pub fn reserve_ports(n: usize) -> anyhow::Result<Vec<SocketAddr>> {
     held.iter()
         .map(|l| Ok(l.local_addr()?))
         .collect::<anyhow::Result<_>>()
+}
+
+/// The kernel's ephemeral port range, or Linux's default when it cannot
+/// be read.
+fn ephemeral_range() -> (u16, u16) {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| parse_port_range(&s))
+        .unwrap_or((32768, 60999))
 }
 
 /// `ip_local_port_range`'s "low high".
@@ -89,10 +95,7 @@ mod tests {
 
     #[test]
     fn reserved_ports_are_distinct_and_free_after_return() {
-        let (low, high) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-            .ok()
-            .and_then(|s| parse_port_range(&s))
-            .unwrap_or((32768, 60999));
+        let (low, high) = ephemeral_range();
         let ports = reserve_ports(8).unwrap();
         let distinct: std::collections::HashSet<_> = ports.iter().map(|a| a.port()).collect();
         assert_eq!(distinct.len(), 8);
