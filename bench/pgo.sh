@@ -20,10 +20,35 @@
 # 2-core machine; BOLT itself takes seconds.
 set -euo pipefail
 bolt=1
-case "${1:-}" in
-  --no-bolt) bolt=0 ;;
+cpu=""
+usage="usage: bench/pgo.sh [--no-bolt] [--cpu x86-64-v2|x86-64-v3|x86-64-v4]"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-bolt) bolt=0 ;;
+    --cpu)
+      [ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
+      cpu=$2
+      shift
+      ;;
+    *) echo "$usage" >&2; exit 2 ;;
+  esac
+  shift
+done
+# --cpu builds for a newer x86-64 level (x86-64-v3: AVX2, BMI2 and kin,
+# Haswell and Zen on): 5-6% fewer instructions per request, most of it
+# copies of 129-256 bytes made inline (docs/performance.md). Such a build
+# refuses to start, naming what is missing, on a CPU below its level
+# (crates/proxy-cli/src/cpu.rs). Its builds, profiles and result live apart
+# (target/pgo-LEVEL, target/pgo-generate-LEVEL, target/pgo-use-LEVEL).
+cpu_flags=""
+suffix=""
+case "$cpu" in
   "") ;;
-  *) echo "usage: bench/pgo.sh [--no-bolt]" >&2; exit 2 ;;
+  x86-64-v2 | x86-64-v3 | x86-64-v4)
+    cpu_flags=" -Ctarget-cpu=$cpu"
+    suffix="-$cpu"
+    ;;
+  *) echo "bench/pgo.sh: --cpu $cpu: not an x86-64 level (x86-64-v2, x86-64-v3, x86-64-v4)" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -38,19 +63,20 @@ fi
 llvm_profdata=$(profdata)
 [ -x "$llvm_profdata" ] || { echo "no llvm-profdata under $(rustc --print sysroot)" >&2; exit 1; }
 
-raw="$root/target/pgo/raw"
-merged="$root/target/pgo/tether-proxy.profdata"
-mkdir -p "$root/target/pgo"
+out="target/pgo$suffix"
+raw="$root/$out/raw"
+merged="$root/$out/tether-proxy.profdata"
+mkdir -p "$root/$out"
 # A run that fails leaves no result behind for a bench to measure.
-rm -f "$root/target/pgo/tether-proxy" "$root/target/pgo/tether-proxy-pgo"
+rm -f "$root/$out/tether-proxy" "$root/$out/tether-proxy-pgo"
 
 echo "pgo: building the harness (release)..." >&2
 cargo build --release -q -p tether -p tether-bench
 
 # --target: RUSTFLAGS then reach only the sidecar's code, not build scripts
 # and proc macros (which would be instrumented and write profiles too).
-echo "pgo: building the instrumented sidecar (target/pgo-generate)..." >&2
-RUSTFLAGS="-Cprofile-generate=$raw" CARGO_TARGET_DIR="$root/target/pgo-generate" \
+echo "pgo: building the instrumented sidecar (target/pgo-generate$suffix)..." >&2
+RUSTFLAGS="-Cprofile-generate=$raw$cpu_flags" CARGO_TARGET_DIR="$root/target/pgo-generate$suffix" \
   cargo build --profile release-lto -q -p tether-proxy-cli --target "$host"
 
 # HTTP/1.1 apps (nginx behind, the HAProxy comparison's traffic) and gRPC
@@ -63,30 +89,30 @@ train() {
     echo "pgo: $stage training run, $protocol (bench/proxy-latency, 1 repetition)..." >&2
     target/release/proxy-latency --tether target/release/tether \
       --tether-proxy "$binary" --protocol "$protocol" --reps 1 --seconds 3 \
-      >"$root/target/pgo/training-$stage-$protocol.txt"
+      >"$root/$out/training-$stage-$protocol.txt"
   done
 }
 
 rm -rf "$raw"
-train "target/pgo-generate/$host/release-lto/tether-proxy" pgo
+train "target/pgo-generate$suffix/$host/release-lto/tether-proxy" pgo
 shopt -s nullglob
 profiles=("$raw"/*.profraw)
 [ ${#profiles[@]} -gt 0 ] || { echo "pgo: the training run wrote no profile under $raw" >&2; exit 1; }
 "$llvm_profdata" merge -o "$merged" "${profiles[@]}"
 echo "pgo: merged ${#profiles[@]} profiles into $merged" >&2
 
-echo "pgo: building the optimised sidecar (target/pgo-use)..." >&2
+echo "pgo: building the optimised sidecar (target/pgo-use$suffix)..." >&2
 # --emit-relocs keeps the link's relocations in the binary: BOLT needs them to
 # move functions. Passed to the final link only (cargo rustc), so the
 # dependencies' build fingerprints stay the same.
-RUSTFLAGS="-Cprofile-use=$merged" CARGO_TARGET_DIR="$root/target/pgo-use" \
+RUSTFLAGS="-Cprofile-use=$merged$cpu_flags" CARGO_TARGET_DIR="$root/target/pgo-use$suffix" \
   cargo rustc --profile release-lto -q -p tether-proxy-cli --bin tether-proxy --target "$host" \
   -- -Clink-arg=-Wl,--emit-relocs
-pgo_binary="$root/target/pgo/tether-proxy-pgo"
-cp "target/pgo-use/$host/release-lto/tether-proxy" "$pgo_binary"
+pgo_binary="$root/$out/tether-proxy-pgo"
+cp "target/pgo-use$suffix/$host/release-lto/tether-proxy" "$pgo_binary"
 if [ "$bolt" = 0 ]; then
-  cp "$pgo_binary" target/pgo/tether-proxy
-  echo "pgo: built target/pgo/tether-proxy (PGO, no BOLT)" >&2
+  cp "$pgo_binary" "$out/tether-proxy"
+  echo "pgo: built $out/tether-proxy (PGO, no BOLT)" >&2
   exit 0
 fi
 
@@ -109,27 +135,27 @@ if [ -z "$bolt_dir" ]; then
   bolt_dir=$(find_bolt)
 fi
 if [ -z "$bolt_dir" ]; then
-  echo "pgo: no llvm-bolt (bolt-$llvm_major could not be installed); target/pgo/tether-proxy-pgo is" \
+  echo "pgo: no llvm-bolt (bolt-$llvm_major could not be installed); $out/tether-proxy-pgo is" \
     "the PGO build without it, or run bench/pgo.sh --no-bolt" >&2
   exit 1
 fi
 
 # BOLT's instrumented binary writes its counts when it exits; every proxy
 # of the training runs writes its own file (-append-pid).
-bolt_raw="$root/target/pgo/bolt-raw"
-bolt_merged="$root/target/pgo/tether-proxy.fdata"
-instrumented="$root/target/pgo/bolt-instrumented/tether-proxy"
+bolt_raw="$root/$out/bolt-raw"
+bolt_merged="$root/$out/tether-proxy.fdata"
+instrumented="$root/$out/bolt-instrumented/tether-proxy"
 rm -rf "$bolt_raw" && mkdir -p "$bolt_raw" "$(dirname "$instrumented")"
 echo "pgo: instrumenting the PGO sidecar with BOLT..." >&2
 "$bolt_dir/llvm-bolt" "$pgo_binary" -o "$instrumented" -instrument \
   -instrumentation-file="$bolt_raw/tether-proxy" -instrumentation-file-append-pid \
-  >"$root/target/pgo/bolt-instrument.log" 2>&1 \
-  || { tail -5 "$root/target/pgo/bolt-instrument.log" >&2; exit 1; }
+  >"$root/$out/bolt-instrument.log" 2>&1 \
+  || { tail -5 "$root/$out/bolt-instrument.log" >&2; exit 1; }
 train "$instrumented" bolt
 profiles=("$bolt_raw"/*.fdata)
 [ ${#profiles[@]} -gt 0 ] || { echo "pgo: the BOLT training run wrote no profile under $bolt_raw" >&2; exit 1; }
-"$bolt_dir/merge-fdata" "${profiles[@]}" >"$bolt_merged" 2>"$root/target/pgo/bolt-merge.log" \
-  || { echo "pgo: merge-fdata failed:" >&2; tail -5 "$root/target/pgo/bolt-merge.log" >&2; exit 1; }
+"$bolt_dir/merge-fdata" "${profiles[@]}" >"$bolt_merged" 2>"$root/$out/bolt-merge.log" \
+  || { echo "pgo: merge-fdata failed:" >&2; tail -5 "$root/$out/bolt-merge.log" >&2; exit 1; }
 echo "pgo: merged ${#profiles[@]} BOLT profiles into $bolt_merged" >&2
 # Hot blocks in profile order (ext-tsp), functions called together placed
 # together (cdsort), cold blocks moved to .text.cold, identical functions
@@ -137,19 +163,19 @@ echo "pgo: merged ${#profiles[@]} BOLT profiles into $bolt_merged" >&2
 # names functions (a folded one may show as its twin), without file:line.
 # Not -use-gnu-stack: it takes the PT_GNU_STACK header for BOLT's segment,
 # and without that header glibc makes thread stacks executable.
-bolted="$root/target/pgo/bolted/tether-proxy"
+bolted="$root/$out/bolted/tether-proxy"
 mkdir -p "$(dirname "$bolted")"
 "$bolt_dir/llvm-bolt" "$pgo_binary" -o "$bolted" -data="$bolt_merged" \
   -reorder-blocks=ext-tsp -reorder-functions=cdsort -split-functions -split-all-cold \
-  -split-eh -icf -dyno-stats >"$root/target/pgo/bolt-optimise.log" 2>&1 \
-  || { tail -5 "$root/target/pgo/bolt-optimise.log" >&2; exit 1; }
+  -split-eh -icf -dyno-stats >"$root/$out/bolt-optimise.log" 2>&1 \
+  || { tail -5 "$root/$out/bolt-optimise.log" >&2; exit 1; }
 readelf -lW "$bolted" | grep -q 'GNU_STACK.* RW ' \
   || { echo "pgo: $bolted lost its non-executable stack (PT_GNU_STACK RW)" >&2; exit 1; }
 # The laid-out binary carries traffic once (plaintext and mTLS pairs, a
 # second at a low rate) before it is the result.
 echo "pgo: smoke run of the BOLT layout..." >&2
 target/release/proxy-latency --tether target/release/tether --tether-proxy "$bolted" \
-  --rates 500 --seconds 1 --reps 1 >"$root/target/pgo/smoke.txt" 2>&1 \
-  || { echo "pgo: the BOLT layout failed its smoke run: target/pgo/smoke.txt" >&2; exit 1; }
-cp "$bolted" target/pgo/tether-proxy
-echo "pgo: built target/pgo/tether-proxy (PGO + BOLT; PGO only: target/pgo/tether-proxy-pgo)" >&2
+  --rates 500 --seconds 1 --reps 1 >"$root/$out/smoke.txt" 2>&1 \
+  || { echo "pgo: the BOLT layout failed its smoke run: $out/smoke.txt" >&2; exit 1; }
+cp "$bolted" "$out/tether-proxy"
+echo "pgo: built $out/tether-proxy (PGO + BOLT; PGO only: $out/tether-proxy-pgo)" >&2

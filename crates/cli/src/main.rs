@@ -65,6 +65,10 @@ enum Command {
 #[global_allocator]
 static ALLOCATOR: tether_proxy_cli::alloc::BlockCache = tether_proxy_cli::alloc::BlockCache;
 
+// Before `main`: a build for a newer x86-64 level refuses, saying why, on
+// a CPU without it (crates/proxy-cli/src/cpu.rs).
+tether_proxy_cli::cpu_guard!();
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     tether_proxy_cli::init_tracing();

@@ -11,6 +11,7 @@
 
 pub mod alloc;
 pub mod args;
+pub mod cpu;
 pub mod memory;
 pub mod proxy;
 pub mod runtime;

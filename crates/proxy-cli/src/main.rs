@@ -17,6 +17,10 @@ struct Cli {
     proxy: ProxyArgs,
 }
 
+// Before `main`: a build for a newer x86-64 level refuses, saying why, on
+// a CPU without it (crates/proxy-cli/src/cpu.rs).
+tether_proxy_cli::cpu_guard!();
+
 /// Freed blocks of 1-16 KiB are kept per thread for the next request
 /// (see the module): glibc's malloc stays for the rest.
 #[global_allocator]
