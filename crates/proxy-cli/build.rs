@@ -1,12 +1,16 @@
-//! Compiles the CPU guard (csrc/cpu_guard.c, see crates/proxy-cli/src/cpu.rs)
-//! for plain x86-64, with the list of features the Rust code is compiled to
-//! use, so a build for a newer level refuses to start on a CPU without them.
+//! Compiles the CPU guard (csrc/cpu_guard.c, see src/cpu.rs) for plain
+//! x86-64, with the list of features the Rust code is compiled to use, so
+//! a build for a newer level refuses to start on a CPU without them.
 
 use std::env;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
-/// The features beyond baseline x86-64 that the guard can check.
+/// What every x86-64 CPU has (and flags that are not instruction sets).
+const BASELINE: &[&str] = &["fxsr", "sse", "sse2", "x87", "crt-static"];
+
+/// The features the guard reads from the CPU: those of the x86-64 levels
+/// v2, v3 and v4.
 const CHECKED: &[&str] = &[
     "sse3",
     "ssse3",
@@ -23,6 +27,11 @@ const CHECKED: &[&str] = &[
     "lzcnt",
     "movbe",
     "xsave",
+    "avx512f",
+    "avx512dq",
+    "avx512cd",
+    "avx512bw",
+    "avx512vl",
 ];
 
 fn main() {
@@ -34,11 +43,27 @@ fn main() {
         return;
     }
     let enabled = env::var("CARGO_CFG_TARGET_FEATURE").unwrap_or_default();
+    let enabled: Vec<&str> = enabled.split(',').filter(|f| !f.is_empty()).collect();
+    // A feature the guard cannot read would go unchecked: such a build
+    // (`-C target-cpu=native`, a CPU model's name) could die of SIGILL
+    // with no word of why, so it is not built.
+    let unknown: Vec<&str> = enabled
+        .iter()
+        .copied()
+        .filter(|f| !BASELINE.contains(f) && !CHECKED.contains(f))
+        .collect();
+    if !unknown.is_empty() {
+        panic!(
+            "tether-proxy-cli: the Rust code is compiled to use CPU features the start-up CPU \
+             check cannot read: {}. Build for an x86-64 level instead (-C target-cpu=x86-64-v2, \
+             x86-64-v3 or x86-64-v4), or teach crates/proxy-cli/csrc/cpu_guard.c (and CHECKED in \
+             build.rs) to read them.",
+            unknown.join(", ")
+        );
+    }
     let mut list = String::new();
-    for feature in CHECKED {
-        if enabled.split(',').any(|f| f == *feature) {
-            let _ = write!(list, "\"{feature}\", ");
-        }
+    for feature in CHECKED.iter().filter(|f| enabled.contains(f)) {
+        let _ = write!(list, "\"{feature}\", ");
     }
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     std::fs::write(
@@ -46,12 +71,15 @@ fn main() {
         format!("#define TETHER_CPU_REQUIRED {list}\n"),
     )
     .expect("write tether_cpu_required.h");
+    // cc puts CFLAGS from the environment after these, and an -m<feature>
+    // there survives -march anyway: cpu_guard.c refuses to compile when
+    // one is in force (#error), rather than use what it guards against.
     cc::Build::new()
         .file("csrc/cpu_guard.c")
         .include(&out)
-        // Last on the command line, so it wins over any -march from CFLAGS.
         .flag("-march=x86-64")
         .flag("-mtune=generic")
+        .flag_if_supported("-mgeneral-regs-only")
         .warnings(true)
         .compile("tether_cpu_guard");
 }
