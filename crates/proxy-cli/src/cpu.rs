@@ -1,7 +1,7 @@
 //! The CPU a build needs, checked before anything else runs.
 //!
 //! A sidecar built for a newer x86-64 level (`bench/pgo.sh --cpu
-//! x86-64-v3`: AVX2 and its kin; 5-6% fewer instructions per request,
+//! x86-64-v3`: AVX2 and its kin; ~7% fewer instructions per request,
 //! docs/performance.md) dies of `SIGILL`, with no word of why, on a CPU
 //! without them, and takes its pod's traffic with it. [`cpu_guard!`] puts
 //! a check in the executable's `.preinit_array`, which the loader runs
