@@ -44,24 +44,35 @@ static unsigned int xcr0(void) {
     return lo;
 }
 
-int tether_cpu_has(const char *feature) {
+/* What the CPU reports, read once per check: CPUID traps to the
+ * hypervisor in a VM, and a check asks about up to 20 features. */
+struct cpu {
+    unsigned int leaf1_ecx, leaf7_ebx, ext1_ecx, vendor_ebx, xcr0;
+};
+
+static struct cpu read_cpu(void) {
     unsigned int a, b, c, d;
-    unsigned int leaf1_ecx = 0, leaf7_ebx = 0, ext1_ecx = 0, vendor_ebx = 0;
-    if (__get_cpuid(0, &a, &b, &c, &d)) vendor_ebx = b;
-    if (__get_cpuid(1, &a, &b, &c, &d)) leaf1_ecx = c;
-    if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) leaf7_ebx = b;
-    if (__get_cpuid(0x80000001u, &a, &b, &c, &d)) ext1_ecx = c;
+    struct cpu cpu = {0, 0, 0, 0, 0};
+    if (__get_cpuid(0, &a, &b, &c, &d)) cpu.vendor_ebx = b;
+    if (__get_cpuid(1, &a, &b, &c, &d)) cpu.leaf1_ecx = c;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) cpu.leaf7_ebx = b;
+    if (__get_cpuid(0x80000001u, &a, &b, &c, &d)) cpu.ext1_ecx = c;
+    if ((cpu.leaf1_ecx >> 27) & 1u) cpu.xcr0 = xcr0(); /* OSXSAVE */
+    return cpu;
+}
+
+static int cpu_has(const struct cpu *cpu, const char *feature) {
 #define BIT(word, n) (((word) >> (n)) & 1u)
-    unsigned int saved = BIT(leaf1_ecx, 27) ? xcr0() : 0;
+    unsigned int leaf1_ecx = cpu->leaf1_ecx, leaf7_ebx = cpu->leaf7_ebx;
     /* The kernel saves SSE and AVX state (XCR0 bits 1-2); and, for AVX-512,
      * the opmask and upper ZMM state too (bits 5-7). */
-    int os_avx = (saved & 0x6u) == 0x6u;
-    int os_avx512 = (saved & 0xe6u) == 0xe6u;
+    int os_avx = (cpu->xcr0 & 0x6u) == 0x6u;
+    int os_avx512 = (cpu->xcr0 & 0xe6u) == 0xe6u;
     int avx = BIT(leaf1_ecx, 28) && os_avx;
     int avx512 = avx && os_avx512;
     /* std clears BMI1/BMI2 on Intel CPUs without AVX (erratum SKL052:
      * Pentium and Celeron parts report them but lack them): so does this. */
-    int intel = vendor_ebx == 0x756e6547u; /* "Genu" */
+    int intel = cpu->vendor_ebx == 0x756e6547u; /* "Genu" */
     int bmi_ok = !intel || avx;
     if (!strcmp(feature, "sse3")) return BIT(leaf1_ecx, 0);
     if (!strcmp(feature, "ssse3")) return BIT(leaf1_ecx, 9);
@@ -83,9 +94,14 @@ int tether_cpu_has(const char *feature) {
     if (!strcmp(feature, "avx512cd")) return BIT(leaf7_ebx, 28) && avx512;
     if (!strcmp(feature, "avx512bw")) return BIT(leaf7_ebx, 30) && avx512;
     if (!strcmp(feature, "avx512vl")) return BIT(leaf7_ebx, 31) && avx512;
-    if (!strcmp(feature, "lzcnt")) return BIT(ext1_ecx, 5);
+    if (!strcmp(feature, "lzcnt")) return BIT(cpu->ext1_ecx, 5);
 #undef BIT
     return 0;
+}
+
+int tether_cpu_has(const char *feature) {
+    struct cpu cpu = read_cpu();
+    return cpu_has(&cpu, feature);
 }
 
 #define MAX_MISSING 32
@@ -96,8 +112,10 @@ _Static_assert(sizeof required / sizeof required[0] <= MAX_MISSING + 1,
  * `cap` of them into `out`; returns how many there are. */
 static size_t missing_features(const char **out, size_t cap) {
     size_t n = 0;
+    if (required[0] == NULL) return 0;
+    struct cpu cpu = read_cpu();
     for (size_t i = 0; required[i] != NULL; i++) {
-        if (!tether_cpu_has(required[i])) {
+        if (!cpu_has(&cpu, required[i])) {
             if (n < cap) out[n] = required[i];
             n++;
         }
