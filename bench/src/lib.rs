@@ -24,6 +24,88 @@ pub fn loadavg() -> String {
         .join(" ")
 }
 
+/// The machine a run's figures come from: which CPU, which kernel, and what
+/// a system call and a clock read cost on it, measured now. The ratio of a
+/// Tether pair to an HAProxy pair depends on these: HAProxy's pair makes
+/// ~1.7× the system calls per request (docs/performance.md, "System
+/// calls") and a Tether pair more work in user space, so a machine where
+/// system calls are dear favours Tether and one where they are cheap
+/// favours HAProxy (thirteenth pass).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Machine {
+    pub cpu: String,
+    pub kernel: String,
+    pub syscall_ns: f64,
+    pub clock_read_ns: f64,
+}
+
+impl Machine {
+    pub fn measure() -> Machine {
+        Machine {
+            cpu: cpu_model(&std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default()),
+            kernel: bounded_line(
+                &std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default(),
+            ),
+            // getppid: a system call that does next to nothing, and that
+            // glibc never answers from a cache.
+            syscall_ns: fastest_ns(|| {
+                std::hint::black_box(std::os::unix::process::parent_id());
+            }),
+            clock_read_ns: fastest_ns(|| {
+                std::hint::black_box(std::time::Instant::now());
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for Machine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}, kernel {}; a system call {:.0} ns, a clock read {:.0} ns",
+            self.cpu, self.kernel, self.syscall_ns, self.clock_read_ns
+        )
+    }
+}
+
+/// The first `model name` of /proc/cpuinfo, bounded.
+fn cpu_model(cpuinfo: &str) -> String {
+    cpuinfo
+        .lines()
+        .find_map(|l| {
+            let (key, value) = l.split_once(':')?;
+            (key.trim() == "model name").then(|| bounded_line(value))
+        })
+        .unwrap_or_else(|| "CPU model unknown".to_string())
+}
+
+/// `text`'s first line, trimmed, at most 80 characters.
+fn bounded_line(text: &str) -> String {
+    text.lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .chars()
+        .take(80)
+        .collect()
+}
+
+/// Nanoseconds per call of `op`: the fastest of 5 batches of 20,000 calls
+/// (~20 ms in all where a call costs 200 ns), so a burst of load from other
+/// processes during one batch does not count.
+fn fastest_ns(mut op: impl FnMut()) -> f64 {
+    const CALLS: u32 = 20_000;
+    (0..5)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            for _ in 0..CALLS {
+                op();
+            }
+            start.elapsed().as_nanos() as f64 / f64::from(CALLS)
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
 /// Reads `pid`'s usage; zeros for a process that is gone.
 pub fn proc_usage(pid: u32) -> ProcUsage {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -137,3 +219,33 @@ pub fn metric_sum(scrape: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 }
 
 pub use tether_mesh_up::ports::reserve_ports;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_model_is_the_first_model_name_bounded() {
+        let cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14\n\
+                       processor\t: 1\nmodel name\t: Other\n";
+        assert_eq!(cpu_model(cpuinfo), "AMD EPYC 9R14");
+        assert_eq!(cpu_model("processor\t: 0\n"), "CPU model unknown");
+        let long = format!("model name\t: {}\n", "x".repeat(500));
+        assert_eq!(cpu_model(&long).len(), 80);
+    }
+
+    #[test]
+    fn the_machine_is_measured_and_described() {
+        let m = Machine::measure();
+        assert!(m.syscall_ns.is_finite() && m.syscall_ns > 0.0, "{m:?}");
+        assert!(
+            m.clock_read_ns.is_finite() && m.clock_read_ns > 0.0,
+            "{m:?}"
+        );
+        let text = m.to_string();
+        assert!(
+            text.contains("a system call") && text.contains(&m.kernel),
+            "{text}"
+        );
+    }
+}

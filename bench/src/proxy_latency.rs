@@ -1093,6 +1093,7 @@ async fn main() -> anyhow::Result<()> {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         tether_bench::loadavg()
     );
+    println!("machine: {}", tether_bench::Machine::measure());
     let mut probes = alloc_probes::Probes::default();
     let mut samples: Vec<Samples> = routes
         .iter()
