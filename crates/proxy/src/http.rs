@@ -230,22 +230,64 @@ pub fn empty() -> Body {
 /// needs on every hop (`Connection: upgrade`, `Upgrade`; see
 /// [`crate::upgrade`]).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    strip(headers, true, &[]);
+    strip(headers, true, &[], Hpack::Unused);
 }
 
 /// [`strip_hop_by_hop`] for a message that goes out over HTTP/2, which
 /// carries no upgrade: the upgrade pair goes too (h2 refuses to send any
 /// connection-specific header). What it saw tells whether the message has
 /// a `Date` and a `Content-Length`.
+///
+/// The same pass marks the values that change with every message
+/// ([`changes_every_message`]) as never to be indexed by HPACK.
 pub fn strip_hop_by_hop_http2(headers: &mut HeaderMap) -> Seen {
-    strip(headers, false, &[])
+    strip(headers, false, &[], Hpack::Used)
+}
+
+/// Whether a message goes out through an HPACK encoder (HTTP/2).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hpack {
+    Unused,
+    Used,
+}
+
+/// Whether the values of `name` differ from one message to the next (or
+/// from one second to the next), so that HPACK should send them as
+/// never-indexed literals: once in a table of 4 KiB, such a value is
+/// never sent again, yet it pushes out the entries that would be (the
+/// authority, the content type). And h2's encoder walks every value it
+/// holds under a name, oldest first, before it adds one: with a `Date`
+/// a second, ~60 comparisons per response on a connection an hour old
+/// (2.5k instructions per request and response, measured). `bit` is the
+/// name's [`seen_bit`].
+fn changes_every_message(name: &HeaderName, bit: u32) -> bool {
+    if bit != 0 {
+        return bit == DATE_SEEN;
+    }
+    matches!(
+        name.as_str(),
+        "x-request-id"
+            | "traceparent"
+            | "b3"
+            | "x-b3-traceid"
+            | "x-b3-spanid"
+            | "x-b3-parentspanid"
+            | "uber-trace-id"
+            | "x-amzn-trace-id"
+            | "x-cloud-trace-context"
+    )
 }
 
 /// [`strip_hop_by_hop`] for a response: the upgrade pair stays only on
 /// `101 Switching Protocols` (elsewhere it would be one more header an
 /// HTTP/2 client's connection must drop).
 pub fn strip_hop_by_hop_response(status: StatusCode, headers: &mut HeaderMap) {
-    strip(headers, status == StatusCode::SWITCHING_PROTOCOLS, &[]);
+    strip(
+        headers,
+        status == StatusCode::SWITCHING_PROTOCOLS,
+        &[],
+        Hpack::Unused,
+    );
 }
 
 /// [`strip_hop_by_hop_response`], and the headers named `also` removed
@@ -256,7 +298,12 @@ pub fn strip_hop_by_hop_response_and(
     headers: &mut HeaderMap,
     also: &[HeaderName],
 ) {
-    strip(headers, status == StatusCode::SWITCHING_PROTOCOLS, also);
+    strip(
+        headers,
+        status == StatusCode::SWITCHING_PROTOCOLS,
+        also,
+        Hpack::Unused,
+    );
 }
 
 /// What one pass over a message's header names found: which hop-by-hop
@@ -296,22 +343,37 @@ const MAX_ALSO: usize = (u32::BITS - ALSO_SEEN) as usize;
 
 /// The hop-by-hop headers removed with what `Connection` names, and the
 /// names in `also`; the upgrade pair put back when `keep_upgrade` and the
-/// message asks for one.
-fn strip(headers: &mut HeaderMap, keep_upgrade: bool, also: &[HeaderName]) -> Seen {
+/// message asks for one; over HTTP/2 (`hpack`), the values that change
+/// with every message marked as never to be indexed.
+fn strip(headers: &mut HeaderMap, keep_upgrade: bool, also: &[HeaderName], hpack: Hpack) -> Seen {
     assert!(also.len() <= MAX_ALSO, "too many names for one pass");
     // One pass over the names decides: most messages carry none of these
     // (HTTP/2 never does), and then nothing is looked up or removed; most
     // others carry `Connection: keep-alive` alone, and then only
     // `Connection` is.
+    let bit_of = |name: &HeaderName| match seen_bit(name) {
+        0 => also
+            .iter()
+            .position(|a| a == name)
+            .map_or(0, |i| 1 << (ALSO_SEEN + i as u32)),
+        bit => bit,
+    };
     let mut seen = 0;
-    for name in headers.keys() {
-        seen |= match seen_bit(name) {
-            0 => also
-                .iter()
-                .position(|a| a == name)
-                .map_or(0, |i| 1 << (ALSO_SEEN + i as u32)),
-            bit => bit,
-        };
+    match hpack {
+        Hpack::Unused => {
+            for name in headers.keys() {
+                seen |= bit_of(name);
+            }
+        }
+        Hpack::Used => {
+            for (name, value) in headers.iter_mut() {
+                let bit = bit_of(name);
+                if changes_every_message(name, bit) {
+                    value.set_sensitive(true);
+                }
+                seen |= bit;
+            }
+        }
     }
     if seen & !(DATE_SEEN | CONTENT_LENGTH_SEEN) == 0 {
         return Seen(seen);
@@ -816,6 +878,7 @@ mod tests {
             headers in proptest::collection::vec((0..NAMES.len(), 0..VALUES.len()), 0..12),
             keep_upgrade in proptest::prelude::any::<bool>(),
             with_also in proptest::prelude::any::<bool>(),
+            over_http2 in proptest::prelude::any::<bool>(),
         ) {
             let mut h = HeaderMap::new();
             for (name, value) in headers {
@@ -831,8 +894,13 @@ mod tests {
             };
             let mut expected = h.clone();
             strip_as_before(&mut expected, keep_upgrade, also);
-            let seen = strip(&mut h, keep_upgrade, also);
+            let hpack = if over_http2 { Hpack::Used } else { Hpack::Unused };
+            let seen = strip(&mut h, keep_upgrade, also, hpack);
             proptest::prop_assert_eq!(&h, &expected);
+            for (name, value) in &h {
+                let marked = over_http2 && (*name == header::DATE || *name == "x-request-id");
+                proptest::prop_assert_eq!(value.is_sensitive(), marked, "{}", name);
+            }
             proptest::prop_assert_eq!(seen.date(), h.contains_key(header::DATE));
             proptest::prop_assert_eq!(
                 seen.content_length(),
@@ -855,6 +923,7 @@ mod tests {
         "x-private",
         "close",
         "server",
+        "x-request-id",
         PROXY_ERROR,
         ORIG_PROTO,
     ];

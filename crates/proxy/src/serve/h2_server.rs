@@ -366,10 +366,12 @@ mod date {
             match &*cached {
                 Some((at, value)) if *at == second => value.clone(),
                 _ => {
-                    let value = HeaderValue::from_maybe_shared(bytes::Bytes::from(
+                    let mut value = HeaderValue::from_maybe_shared(bytes::Bytes::from(
                         httpdate::fmt_http_date(now),
                     ))
                     .expect("an HTTP date is a valid header value");
+                    // As the app's is: see `crate::http::strip_hop_by_hop_http2`.
+                    value.set_sensitive(true);
                     *cached = Some((second, value.clone()));
                     value
                 }
@@ -732,6 +734,70 @@ mod tests {
         let code = u32::from_be_bytes(goaway[4..8].try_into().unwrap());
         assert_ne!(h2::Reason::from(code), h2::Reason::NO_ERROR);
         assert_eq!(served.load(Ordering::Relaxed), 1);
+    }
+
+    /// A `Date`, the app's or the one the server adds, goes out as a
+    /// never-indexed literal (RFC 7541 §6.2.3: `0001` and the static
+    /// table's index of `date`, 33, as 15 + 18): in the dynamic table, a
+    /// value new each second would push out the entries worth keeping and
+    /// make h2's encoder walk every older one per response.
+    #[tokio::test]
+    async fn a_date_is_never_indexed() {
+        let (addr, _drain) = listen(|req: Request<RequestBody>| async move {
+            let mut rsp = Response::new(crate::http::empty());
+            if req.uri().path() == "/own" {
+                rsp.headers_mut().insert(
+                    header::DATE,
+                    HeaderValue::from_static("Tue, 01 Dec 2026 12:00:00 GMT"),
+                );
+            }
+            rsp
+        })
+        .await;
+        let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
+        raw.write_all(crate::detect::H2_PREFACE).await.unwrap();
+        raw.write_all(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]).await.unwrap();
+        // GET http://test.example{path}: `:method GET`, `:scheme http`
+        // and `:authority` by index and literal, `:path` as a literal.
+        let request = |stream: u8, path: &str| {
+            let mut block = vec![0x82, 0x86, 0x41, 12];
+            block.extend_from_slice(b"test.example");
+            block.extend_from_slice(&[0x04, path.len() as u8]);
+            block.extend_from_slice(path.as_bytes());
+            let mut frame = vec![0, 0, block.len() as u8, 0x1, 0x5, 0, 0, 0, stream];
+            frame.extend_from_slice(&block);
+            frame
+        };
+        for (stream, path) in [(1, "/own"), (3, "/own"), (5, "/none"), (7, "/none")] {
+            raw.write_all(&request(stream, path)).await.unwrap();
+        }
+        let blocks = within("four responses", async {
+            let mut blocks = Vec::new();
+            while blocks.len() < 4 {
+                let mut head = [0; 9];
+                raw.read_exact(&mut head).await.unwrap();
+                let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                let mut payload = vec![0; len];
+                raw.read_exact(&mut payload).await.unwrap();
+                if head[3] == 0x1 {
+                    blocks.push((head[8], payload));
+                }
+            }
+            blocks
+        })
+        .await;
+        for (stream, block) in blocks {
+            // `:status 200` by index, then the `Date`.
+            assert_eq!(
+                block[..3],
+                [0x88, 0x1f, 0x12],
+                "stream {stream}: {block:02x?}"
+            );
+            assert!(
+                block.len() > 20,
+                "stream {stream}: the value is there: {block:02x?}"
+            );
+        }
     }
 
     const MAX_HEADER_LIST_SIZE_FOR_TEST: usize = super::super::MAX_HEADER_LIST_SIZE as usize;
