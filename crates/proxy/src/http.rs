@@ -253,19 +253,27 @@ enum Hpack {
 
 /// Whether the values of `name` differ from one message to the next (or
 /// from one second to the next), so that HPACK should send them as
-/// never-indexed literals: once in a table of 4 KiB, such a value is
-/// never sent again, yet it pushes out the entries that would be (the
-/// authority, the content type). And h2's encoder walks every value it
-/// holds under a name, oldest first, before it adds one: with a `Date`
-/// a second, ~60 comparisons per response on a connection an hour old
-/// (2.5k instructions per request and response, measured). `bit` is the
-/// name's [`seen_bit`].
+/// never-indexed literals. Indexed, each such value is sent once and then
+/// pushes out entries worth keeping (the authority, the content type),
+/// and h2's encoder walks every value it holds under the name, oldest
+/// first, before it adds one: with a new `Date` each second, ~60
+/// comparisons per response once a connection is a minute old. A literal
+/// costs the peer a Huffman decode instead (~1k instructions); it pays
+/// from a connection's ~20th second on (docs/performance.md, fourteenth
+/// pass). `bit` is the name's [`seen_bit`].
 fn changes_every_message(name: &HeaderName, bit: u32) -> bool {
     if bit != 0 {
         return bit == DATE_SEEN;
     }
+    let name = name.as_str();
+    // Most names start with none of these letters, and are then told
+    // apart without comparing a string (`content-type` is as long as
+    // `x-request-id`).
+    if !matches!(name.as_bytes().first(), Some(b'x' | b't' | b'b' | b'u')) {
+        return false;
+    }
     matches!(
-        name.as_str(),
+        name,
         "x-request-id"
             | "traceparent"
             | "b3"
@@ -728,6 +736,41 @@ mod tests {
         h.insert(header::UPGRADE, HeaderValue::from_static("h2c"));
         strip_hop_by_hop(&mut h);
         assert!(!h.contains_key(header::UPGRADE) && !h.contains_key(header::CONNECTION));
+    }
+
+    /// Only the names whose values change with every message are marked,
+    /// whatever their first letter.
+    #[test]
+    fn names_that_change_with_every_message() {
+        for name in [
+            "date",
+            "x-request-id",
+            "traceparent",
+            "b3",
+            "x-b3-traceid",
+            "x-b3-spanid",
+            "x-b3-parentspanid",
+            "uber-trace-id",
+            "x-amzn-trace-id",
+            "x-cloud-trace-context",
+        ] {
+            let name = HeaderName::from_static(name);
+            assert!(changes_every_message(&name, seen_bit(&name)), "{name}");
+        }
+        for name in [
+            "content-type",
+            "server",
+            "x-b3-sampled",
+            "tracestate",
+            "user-agent",
+            "te",
+            "b",
+            "x-request",
+            "content-length",
+        ] {
+            let name = HeaderName::from_static(name);
+            assert!(!changes_every_message(&name, seen_bit(&name)), "{name}");
+        }
     }
 
     /// Each hop-by-hop header goes when it is the only one there, and
