@@ -7,21 +7,23 @@
 //! sockets, no TLS: only the HTTP/2 work the choice changes). Each request
 //! and response goes through the proxy's own pass over its headers: the
 //! HTTP/2 one (which marks `Date` and request ids) for "never indexed", the
-//! HTTP/1 one (which marks nothing, and costs the same pass) for "indexed".
+//! HTTP/1 one (the same pass over the names, marking nothing) for
+//! "indexed".
 //!
 //! h2's encoder walks every value it holds under a name, oldest first,
 //! before it adds one, and a `Date` a second fills its 4 KiB table within
 //! a minute: what the choice costs depends on how old the connection is.
 //! So each case first sends `age` responses with a distinct `Date` each
 //! (a connection `age` seconds old), then the measured requests, with a
-//! new `Date` every 1,000 (one second at 1k req/s). With `--id`, every
-//! request also carries an `x-request-id` of its own.
+//! new `Date` every 1,000 (one second at 1k req/s). Every case runs twice:
+//! without, then with an `x-request-id` of its own on every request.
 //!
 //! usage: hpack-values [--requests N] [--reps N] [--ages 1,10,30,100]
 //!
-//! Prints, per case, the medians of the interleaved repetitions in ns per
-//! request and response, and never-indexed / indexed (below 1.0: never
-//! indexing is cheaper).
+//! Prints, per case, the median and range of the interleaved repetitions
+//! (each way first in every other one) in ns per request and response,
+//! and never indexed / indexed of the medians (below 1.0: never indexing
+//! is cheaper).
 
 use std::time::{Duration, Instant};
 
@@ -57,8 +59,11 @@ struct Case {
 
 /// Requests a second, for the `Date` of the measured requests.
 const RATE: usize = 1_000;
-/// Caps every case; far past what a run of the defaults takes.
-const CASE_LIMIT: Duration = Duration::from_secs(60);
+/// Caps each run of a case (one repetition, one way); far past what a run
+/// of the defaults takes (~0.1 s).
+const RUN_LIMIT: Duration = Duration::from_secs(60);
+/// At most this many ages in one run of the bench.
+const MAX_AGES: usize = 8;
 
 fn date(second: usize) -> HeaderValue {
     let (h, m, s) = ((second / 3600) % 24, (second / 60) % 60, second % 60);
@@ -135,12 +140,13 @@ async fn run(case: Case, values: Values, requests: usize) -> anyhow::Result<Dura
     drop(client);
     server.await??;
     driver.abort();
-    Ok(elapsed / requests.max(1) as u32)
+    Ok(elapsed / requests as u32)
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
+/// The median, lowest and highest of `xs` (not empty).
+fn spread(mut xs: Vec<f64>) -> (f64, f64, f64) {
     xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
+    (xs[xs.len() / 2], xs[0], xs[xs.len() - 1])
 }
 
 struct Args {
@@ -185,6 +191,9 @@ fn parse(argv: impl Iterator<Item = String>) -> anyhow::Result<Args> {
                             })
                     })
                     .collect::<anyhow::Result<_>>()?;
+                if args.ages.len() > MAX_AGES {
+                    bail!("--ages {value:?}: at most {MAX_AGES} ages");
+                }
             }
             other => bail!(
                 "unknown flag {other:?}; usage: hpack-values [--requests N] [--reps N] [--ages 1,10,30,100]"
@@ -207,28 +216,36 @@ fn main() -> anyhow::Result<()> {
         args.reps,
         tether_bench::loadavg()
     );
-    println!("  age (s)  request id    indexed   never indexed   never / indexed");
+    println!(
+        "  age (s)  request id   indexed: median (range)   never indexed: median (range)   never / indexed"
+    );
     for request_id in [false, true] {
         for &age in &args.ages {
             let case = Case { age, request_id };
             let mut indexed = Vec::new();
             let mut never = Vec::new();
-            for _ in 0..args.reps {
-                for (values, into) in [
-                    (Values::Indexed, &mut indexed),
-                    (Values::NeverIndexed, &mut never),
-                ] {
+            for rep in 0..args.reps {
+                // Each way goes first in every other repetition.
+                let mut order = [Values::Indexed, Values::NeverIndexed];
+                if rep % 2 == 1 {
+                    order.reverse();
+                }
+                for values in order {
                     let per = runtime
                         .block_on(async {
-                            tokio::time::timeout(CASE_LIMIT, run(case, values, args.requests)).await
+                            tokio::time::timeout(RUN_LIMIT, run(case, values, args.requests)).await
                         })
-                        .with_context(|| format!("{case:?}, {values:?}: over {CASE_LIMIT:?}"))??;
-                    into.push(per.as_nanos() as f64);
+                        .with_context(|| format!("{case:?}, {values:?}: over {RUN_LIMIT:?}"))??;
+                    match values {
+                        Values::Indexed => indexed.push(per.as_nanos() as f64),
+                        Values::NeverIndexed => never.push(per.as_nanos() as f64),
+                    }
                 }
             }
-            let (indexed, never) = (median(indexed), median(never));
+            let (indexed, i_low, i_high) = spread(indexed);
+            let (never, n_low, n_high) = spread(never);
             println!(
-                "  {age:>7}  {:<10}  {indexed:>6.0} ns   {never:>10.0} ns   {:>15.2}",
+                "  {age:>7}  {:<10}  {indexed:>6.0} ns ({i_low:.0}-{i_high:.0})   {never:>13.0} ns ({n_low:.0}-{n_high:.0})   {:>15.2}",
                 if request_id { "yes" } else { "no" },
                 never / indexed
             );

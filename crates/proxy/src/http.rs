@@ -257,10 +257,18 @@ enum Hpack {
 /// pushes out entries worth keeping (the authority, the content type),
 /// and h2's encoder walks every value it holds under the name, oldest
 /// first, before it adds one: with a new `Date` each second, ~60
-/// comparisons per response once a connection is a minute old. A literal
-/// costs the peer a Huffman decode instead (~1k instructions); it pays
-/// from a connection's ~20th second on (docs/performance.md, fourteenth
-/// pass). `bit` is the name's [`seen_bit`].
+/// comparisons per response once a connection is a minute old. Never
+/// indexed, the peer decodes a Huffman literal each time instead (~1k
+/// instructions), and a name outside HPACK's static table (all but
+/// `Date`) is spelled out each time too. For a request id that is a gain
+/// from the first message; for a `Date`, from a connection's ~30th second
+/// in the plain release build, and even in the PGO + BOLT build
+/// (docs/performance.md, fourteenth pass). `bit` is the name's
+/// [`seen_bit`].
+///
+/// The representation is RFC 7541's for sensitive values: an intermediary
+/// after the proxy keeps it never indexed too (§7.1.3). h2 offers no
+/// other way to keep a value out of its table.
 fn changes_every_message(name: &HeaderName, bit: u32) -> bool {
     if bit != 0 {
         return bit == DATE_SEEN;
@@ -269,13 +277,19 @@ fn changes_every_message(name: &HeaderName, bit: u32) -> bool {
     // Most names start with none of these letters, and are then told
     // apart without comparing a string (`content-type` is as long as
     // `x-request-id`).
-    if !matches!(name.as_bytes().first(), Some(b'x' | b't' | b'b' | b'u')) {
+    if !matches!(
+        name.as_bytes().first(),
+        Some(b'x' | b't' | b'b' | b'u' | b'r' | b's' | b'g')
+    ) {
         return false;
     }
     matches!(
         name,
         "x-request-id"
+            | "request-id"
+            | "x-correlation-id"
             | "traceparent"
+            | "grpc-trace-bin"
             | "b3"
             | "x-b3-traceid"
             | "x-b3-spanid"
@@ -283,8 +297,15 @@ fn changes_every_message(name: &HeaderName, bit: u32) -> bool {
             | "uber-trace-id"
             | "x-amzn-trace-id"
             | "x-cloud-trace-context"
+            | "x-datadog-trace-id"
+            | "x-datadog-parent-id"
+            | "sentry-trace"
     )
 }
+
+/// Values this short are few (`b3: 1`, a sampling decision alone), and
+/// worth indexing whatever their name.
+const SHORTEST_PER_MESSAGE_VALUE: usize = 8;
 
 /// [`strip_hop_by_hop`] for a response: the upgrade pair stays only on
 /// `101 Switching Protocols` (elsewhere it would be one more header an
@@ -376,7 +397,7 @@ fn strip(headers: &mut HeaderMap, keep_upgrade: bool, also: &[HeaderName], hpack
         Hpack::Used => {
             for (name, value) in headers.iter_mut() {
                 let bit = bit_of(name);
-                if changes_every_message(name, bit) {
+                if value.len() >= SHORTEST_PER_MESSAGE_VALUE && changes_every_message(name, bit) {
                     value.set_sensitive(true);
                 }
                 seen |= bit;
@@ -753,6 +774,12 @@ mod tests {
             "uber-trace-id",
             "x-amzn-trace-id",
             "x-cloud-trace-context",
+            "request-id",
+            "x-correlation-id",
+            "grpc-trace-bin",
+            "x-datadog-trace-id",
+            "x-datadog-parent-id",
+            "sentry-trace",
         ] {
             let name = HeaderName::from_static(name);
             assert!(changes_every_message(&name, seen_bit(&name)), "{name}");
@@ -767,10 +794,31 @@ mod tests {
             "b",
             "x-request",
             "content-length",
+            "server",
+            "retry-after",
+            "grpc-status",
         ] {
             let name = HeaderName::from_static(name);
             assert!(!changes_every_message(&name, seen_bit(&name)), "{name}");
         }
+    }
+
+    /// A sampling decision alone (`b3: 1`) stays indexed; a trace in the
+    /// same header is marked, and only over HTTP/2.
+    #[test]
+    fn short_values_stay_indexed() {
+        let mut h = HeaderMap::new();
+        h.append("b3", HeaderValue::from_static("1"));
+        h.append(
+            "b3",
+            HeaderValue::from_static("80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-1"),
+        );
+        let mut over_h1 = h.clone();
+        strip_hop_by_hop_http2(&mut h);
+        let marked: Vec<bool> = h.get_all("b3").iter().map(|v| v.is_sensitive()).collect();
+        assert_eq!(marked, [false, true]);
+        strip_hop_by_hop(&mut over_h1);
+        assert!(over_h1.get_all("b3").iter().all(|v| !v.is_sensitive()));
     }
 
     /// Each hop-by-hop header goes when it is the only one there, and
@@ -941,7 +989,9 @@ mod tests {
             let seen = strip(&mut h, keep_upgrade, also, hpack);
             proptest::prop_assert_eq!(&h, &expected);
             for (name, value) in &h {
-                let marked = over_http2 && (*name == header::DATE || *name == "x-request-id");
+                let marked = over_http2
+                    && (*name == header::DATE || *name == "x-request-id")
+                    && value.len() >= SHORTEST_PER_MESSAGE_VALUE;
                 proptest::prop_assert_eq!(value.is_sensitive(), marked, "{}", name);
             }
             proptest::prop_assert_eq!(seen.date(), h.contains_key(header::DATE));

@@ -653,6 +653,46 @@ mod tests {
             .expect("the peer reads the frame")
     }
 
+    /// A request's `Date` and id go out never indexed: two identical
+    /// requests make identical HEADERS blocks (indexed, the second would
+    /// refer to the first's entries), with the `Date` as RFC 7541 §6.2.3
+    /// spells it: `0001` and the static index of `date`, 33, as 15 + 18.
+    #[tokio::test]
+    async fn a_requests_date_and_id_are_never_indexed() {
+        let (addr, mut frames) = raw_peer(frame(0x1, 0x5, 1, &[0x88])).await;
+        let h2 = connect(addr).await;
+        let request = || {
+            let mut req = Request::new(crate::http::empty());
+            let headers = req.headers_mut();
+            headers.insert(
+                header::DATE,
+                HeaderValue::from_static("Tue, 01 Dec 2026 12:00:00 GMT"),
+            );
+            headers.insert(
+                "x-request-id",
+                HeaderValue::from_static("6f1c2e0a-93b4-4c1d-8e2f-0a1b2c3d4e5f"),
+            );
+            req
+        };
+        let sender = h2.sender().await.expect("the connection is open");
+        assert!(sender.send(request()).await.is_ok(), "answered");
+        let (_, _, first) = read_by_peer(&mut frames, 0x1).await;
+        // The peer answers only the first: the second need only be sent.
+        let sender = h2.sender().await.expect("the connection is open");
+        let second = tokio::spawn(sender.send(request()));
+        let (_, stream, again) = read_by_peer(&mut frames, 0x1).await;
+        second.abort();
+        assert_eq!(stream, 3);
+        assert_eq!(
+            first, again,
+            "the second request refers to no entry of the first"
+        );
+        assert!(
+            first.windows(2).any(|w| w == [0x1f, 0x12]),
+            "a never-indexed `Date`: {first:02x?}"
+        );
+    }
+
     /// A request costs the connection's task two polls: the request's
     /// send and the response's arrival. The wake-up h2 gives when the
     /// finished stream's last handle goes comes with the next request's
