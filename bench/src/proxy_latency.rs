@@ -20,6 +20,7 @@
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
 //!          [--perf DIR] [--syscalls] [--allocs] [--compare-h1] [--haproxy-mtls]
 //!          [--tether-proxy PATH] [--protocol http1|http2|grpc] [--netns] [--callgrind DIR]
+//!          [--request-ids]
 //!
 //! The Tether pairs run `tether-proxy`, the proxy-only binary (`--tether-proxy
 //! PATH`; default: beside `--tether`); `--compare target/release/tether`
@@ -73,6 +74,10 @@
 //! user-space instructions each executes per request (first repetition's
 //! open-loop runs): a figure the machine's load does not move, for
 //! comparing builds; see `callgrind.rs`.
+//!
+//! `--request-ids` gives every request an `x-request-id` of its own, on
+//! every path alike (HAProxy's pair forwards it too), as a traced app's
+//! requests carry: a value HTTP/2's header compression cannot reuse.
 
 #![forbid(unsafe_code)]
 
@@ -124,6 +129,9 @@ struct Args {
     /// Every proxy runs under callgrind, its dumps here; the first
     /// repetition counts instructions per request (see `callgrind.rs`).
     callgrind: Option<PathBuf>,
+    /// Every request carries an `x-request-id` of its own, as a traced
+    /// app's do (`tether load --request-ids`).
+    request_ids: bool,
 }
 
 /// One pair of Tether proxies to measure.
@@ -209,7 +217,7 @@ usage: proxy-latency [--tether PATH] [--tether-proxy PATH] [--rates 1000,5000] [
                      [--reps 3] [--concurrency 32] [--proxy-arg ARG]... [--compare BINARY]...
                      [--compare-threads N]... [--compare-h1] [--haproxy-mtls] [--syscalls]
                      [--allocs] [--perf DIR] [--callgrind DIR] [--protocol http1|http2|grpc]
-                     [--netns]
+                     [--netns] [--request-ids]
 The flags and what each figure means: docs/benchmarks.md.";
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -231,6 +239,7 @@ fn parse_args() -> anyhow::Result<Args> {
         protocol: "http1".to_string(),
         netns: false,
         callgrind: None,
+        request_ids: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -256,6 +265,10 @@ fn parse_args() -> anyhow::Result<Args> {
         }
         if flag == "--netns" {
             args.netns = true;
+            continue;
+        }
+        if flag == "--request-ids" {
+            args.request_ids = true;
             continue;
         }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
@@ -295,6 +308,9 @@ fn parse_args() -> anyhow::Result<Args> {
     }
     if args.callgrind.is_some() && args.netns {
         bail!("--callgrind runs over loopback only: drop --netns");
+    }
+    if args.request_ids && args.protocol == "grpc" {
+        bail!("--request-ids: HTTP only (--protocol http1 or http2)");
     }
     Ok(args)
 }
@@ -342,6 +358,9 @@ fn load(
     ]);
     if let Some(r) = rate {
         cmd.args(["--rate", &r.to_string()]);
+    }
+    if args.request_ids {
+        cmd.arg("--request-ids");
     }
     let out = cmd.output().context("running tether load")?;
     if !out.status.success() {
@@ -1070,12 +1089,17 @@ async fn main() -> anyhow::Result<()> {
 
     println!(
         "proxy cost benchmark: backend {backend_name}; open loop at {:?} req/s for {}s, closed loop for {}s, \
-         concurrency {}, {} interleaved repetitions; Tether proxies {}",
+         concurrency {}, {} interleaved repetitions{}; Tether proxies {}",
         args.rates,
         args.seconds,
         max_secs(&args),
         args.concurrency,
         args.reps,
+        if args.request_ids {
+            ", an x-request-id of its own on every request"
+        } else {
+            ""
+        },
         if args.proxy_args.is_empty() {
             "with default flags".to_string()
         } else {

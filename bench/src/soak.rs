@@ -829,6 +829,7 @@ fn load_spec(
         rate: Some(rps),
         duration,
         concurrency: 512,
+        request_ids: false,
     }
 }
 

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -61,6 +62,9 @@ pub struct LoadSpec {
     pub duration: Duration,
     /// Most requests in flight at once.
     pub concurrency: usize,
+    /// Every request carries an `x-request-id` of its own, as requests of
+    /// a traced app do (HTTP only).
+    pub request_ids: bool,
 }
 
 impl LoadSpec {
@@ -70,6 +74,10 @@ impl LoadSpec {
         if let Some(rate) = self.rate {
             anyhow::ensure!(rate > 0.0, "--rate must be above 0");
         }
+        anyhow::ensure!(
+            !(self.request_ids && self.protocol == LoadProtocol::Grpc),
+            "--request-ids: HTTP only (--protocol http1 or http2)"
+        );
         Ok(())
     }
 }
@@ -220,8 +228,28 @@ impl tower_service::Service<http::Uri> for FixedConnector {
 
 #[derive(Clone)]
 enum Caller {
-    Http(Box<Client<FixedConnector, Empty<Bytes>>>, http::Uri),
+    Http {
+        client: Box<Client<FixedConnector, Empty<Bytes>>>,
+        uri: http::Uri,
+        /// With `--request-ids`: how many ids were given.
+        ids: Option<Arc<AtomicU64>>,
+    },
     Grpc(tonic::transport::Channel),
+}
+
+/// The `n`th request's id: UUID-shaped, different for every `n` below
+/// 2^64 (an odd multiplier is a bijection on `u64`).
+fn request_id(n: u64) -> http::HeaderValue {
+    let x = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    http::HeaderValue::from_str(&format!(
+        "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+        x >> 32,
+        (x >> 16) & 0xffff,
+        (x >> 4) & 0xfff,
+        x & 0xfff,
+        x & 0xffff_ffff_ffff
+    ))
+    .expect("hex digits and dashes are a valid header value")
 }
 
 impl Caller {
@@ -240,10 +268,11 @@ impl Caller {
                     .http2_only(proto == LoadProtocol::Http2)
                     .pool_max_idle_per_host(spec.concurrency)
                     .build(FixedConnector(spec.connect));
-                Caller::Http(
-                    Box::new(client),
-                    format!("http://{}{}", spec.authority, spec.path).parse()?,
-                )
+                Caller::Http {
+                    client: Box::new(client),
+                    uri: format!("http://{}{}", spec.authority, spec.path).parse()?,
+                    ids: spec.request_ids.then(Arc::default),
+                }
             }
         })
     }
@@ -251,9 +280,15 @@ impl Caller {
     /// One request; the replica that answered, or the error.
     async fn call(&self) -> Result<String, String> {
         match self {
-            Caller::Http(client, uri) => {
+            Caller::Http { client, uri, ids } => {
+                let mut req = http::Request::new(Empty::new());
+                *req.uri_mut() = uri.clone();
+                if let Some(ids) = ids {
+                    let n = ids.fetch_add(1, Ordering::Relaxed);
+                    req.headers_mut().insert("x-request-id", request_id(n));
+                }
                 let rsp = client
-                    .get(uri.clone())
+                    .request(req)
                     .await
                     .map_err(|e| format!("request failed: {e}"))?;
                 let status = rsp.status();
@@ -473,10 +508,88 @@ mod tests {
                 rate: Some(rate),
                 duration: Duration::from_secs(1),
                 concurrency: 1,
+                request_ids: false,
             };
             let err = run(spec, Shutdown::default()).await.err().unwrap();
             assert_eq!(err.to_string(), "--rate must be above 0");
         }
+    }
+
+    /// An HTTP/1.1 server that answers every request with an empty 200
+    /// and keeps the `x-request-id` each one carried ("" for none).
+    async fn id_recording_server() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let ids = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let ids = ids.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0; 4096];
+                    while let Ok(n @ 1..) = conn.read(&mut chunk).await {
+                        buf.extend_from_slice(&chunk[..n]);
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                            let id = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("x-request-id: "))
+                                .unwrap_or("")
+                                .to_string();
+                            ids.lock().unwrap().push(id);
+                            buf.drain(..end + 4);
+                            let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                            if conn.write_all(ok).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        (addr, seen)
+    }
+
+    #[tokio::test]
+    async fn request_ids_differ_from_request_to_request() {
+        for request_ids in [false, true] {
+            let (connect, seen) = id_recording_server().await;
+            let spec = LoadSpec {
+                connect,
+                authority: "web:80".into(),
+                path: "/".into(),
+                protocol: LoadProtocol::Http1,
+                rate: None,
+                duration: Duration::from_millis(200),
+                concurrency: 4,
+                request_ids,
+            };
+            let report = run(spec, Shutdown::default()).await.unwrap();
+            let seen = seen.lock().unwrap().clone();
+            assert!(report.succeeded > 10, "{request_ids}: {}", report.succeeded);
+            assert_eq!(seen.len() as u64, report.sent, "{request_ids}");
+            let distinct: std::collections::HashSet<&String> = seen.iter().collect();
+            if request_ids {
+                assert_eq!(distinct.len(), seen.len(), "an id given twice");
+                assert!(seen.iter().all(|id| id.len() == 36), "{:?}", &seen[..2]);
+            } else {
+                assert_eq!(distinct.into_iter().collect::<Vec<_>>(), [&String::new()]);
+            }
+        }
+        let grpc = LoadSpec {
+            connect: "127.0.0.1:9".parse().unwrap(),
+            authority: "web".into(),
+            path: "/".into(),
+            protocol: LoadProtocol::Grpc,
+            rate: None,
+            duration: Duration::from_secs(1),
+            concurrency: 1,
+            request_ids: true,
+        };
+        let err = run(grpc, Shutdown::default()).await.err().unwrap();
+        assert!(err.to_string().contains("HTTP only"), "{err}");
     }
 
     #[tokio::test]
@@ -491,6 +604,7 @@ mod tests {
                 rate,
                 duration: Duration::from_millis(200),
                 concurrency: 4,
+                request_ids: false,
             };
             let report = run_with_grace(spec, Shutdown::default(), Duration::from_millis(100))
                 .await

@@ -775,6 +775,7 @@ async fn start_and_run(
             rate: Some(l.rps),
             duration,
             concurrency: 256,
+            request_ids: false,
         };
         loads.push(tokio::spawn(loadgen::run(load, stop.clone())));
     }

@@ -62,6 +62,10 @@ pub struct LoadArgs {
     /// Requests in flight at most.
     #[arg(long, default_value = "64")]
     concurrency: usize,
+    /// Give every request an `x-request-id` of its own, as a traced app
+    /// does (HTTP only).
+    #[arg(long)]
+    request_ids: bool,
 }
 
 impl LoadArgs {
@@ -74,6 +78,7 @@ impl LoadArgs {
             rate: self.rate,
             duration: self.duration,
             concurrency: self.concurrency,
+            request_ids: self.request_ids,
         }
     }
 
