@@ -239,7 +239,7 @@ enum Caller {
 
 /// The `n`th request's id: UUID-shaped, different for every `n` below
 /// 2^64 (an odd multiplier is a bijection on `u64`).
-fn request_id(n: u64) -> http::HeaderValue {
+pub fn request_id(n: u64) -> http::HeaderValue {
     let x = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     http::HeaderValue::from_str(&format!(
         "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",

@@ -720,12 +720,8 @@ mod tests {
             .unwrap();
         let goaway = within("GOAWAY", async {
             loop {
-                let mut head = [0; 9];
-                raw.read_exact(&mut head).await.unwrap();
-                let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
-                let mut payload = vec![0; len];
-                raw.read_exact(&mut payload).await.unwrap();
-                if head[3] == 0x7 {
+                let (kind, _, payload) = read_frame(&mut raw).await;
+                if kind == 0x7 {
                     return payload;
                 }
             }
@@ -774,13 +770,9 @@ mod tests {
         let blocks = within("four responses", async {
             let mut blocks = Vec::new();
             while blocks.len() < 4 {
-                let mut head = [0; 9];
-                raw.read_exact(&mut head).await.unwrap();
-                let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
-                let mut payload = vec![0; len];
-                raw.read_exact(&mut payload).await.unwrap();
-                if head[3] == 0x1 {
-                    blocks.push((head[8], payload));
+                let (kind, stream, payload) = read_frame(&mut raw).await;
+                if kind == 0x1 {
+                    blocks.push((stream, payload));
                 }
             }
             blocks
@@ -798,6 +790,18 @@ mod tests {
                 "stream {stream}: the value is there: {block:02x?}"
             );
         }
+    }
+
+    /// The next frame a raw connection reads: its type, stream and
+    /// payload.
+    async fn read_frame(raw: &mut tokio::net::TcpStream) -> (u8, u32, Vec<u8>) {
+        let mut head = [0; 9];
+        raw.read_exact(&mut head).await.unwrap();
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]);
+        let mut payload = vec![0; len];
+        raw.read_exact(&mut payload).await.unwrap();
+        (head[3], stream, payload)
     }
 
     const MAX_HEADER_LIST_SIZE_FOR_TEST: usize = super::super::MAX_HEADER_LIST_SIZE as usize;
