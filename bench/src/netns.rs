@@ -378,7 +378,7 @@ impl Node {
              the node (the root namespace, forwarding) by a veth pair in 10.{}.0.0/16; Tether pods \
              intercepted by `tether init` (iptables REDIRECT, proxies as uid {PROXY_UID}), the load \
              dialing the service's cluster IP in {}; direct and HAProxy dialed at pod IPs, no \
-             redirect; control plane on the node at {}; {} pods made in {:.1} s",
+             redirect (but haproxy+redir: as sidecars, behind the same redirect); control plane on the node at {}; {} pods made in {:.1} s",
             self.plan.octet,
             self.plan.service_range(),
             self.control_ip(),
@@ -420,8 +420,9 @@ fn add_pod(pod: &Pod) -> anyhow::Result<()> {
 }
 
 /// `tether init` in `pod`: outbound to the proxy's outbound port, inbound
-/// to its inbound port, the admin port and `control_port` skipped.
-pub fn intercept(tether: &Path, pod: &Pod, control_port: u16) -> anyhow::Result<()> {
+/// to its inbound port, the admin port and `control_port` (when given)
+/// skipped.
+pub fn intercept(tether: &Path, pod: &Pod, control_port: Option<u16>) -> anyhow::Result<()> {
     let mut args: Vec<String> = vec!["ip".into()];
     args.extend(pod.exec(&tether.display().to_string()));
     args.extend(init_args(control_port));
@@ -429,8 +430,8 @@ pub fn intercept(tether: &Path, pod: &Pod, control_port: u16) -> anyhow::Result<
     run(&args).map(|_| ())
 }
 
-fn init_args(control_port: u16) -> Vec<String> {
-    [
+fn init_args(control_port: Option<u16>) -> Vec<String> {
+    let mut args = [
         "init",
         "--proxy-uid",
         PROXY_UID,
@@ -440,11 +441,51 @@ fn init_args(control_port: u16) -> Vec<String> {
         &INBOUND_PORT.to_string(),
         "--skip-inbound-ports",
         &ADMIN_PORT.to_string(),
-        "--skip-outbound-ports",
-        &control_port.to_string(),
     ]
     .map(String::from)
-    .to_vec()
+    .to_vec();
+    if let Some(port) = control_port {
+        args.extend(["--skip-outbound-ports".to_string(), port.to_string()]);
+    }
+    args
+}
+
+/// Waits until the process `pid` has a TCP socket listening on `addr` in
+/// its network namespace (`/proc/PID/net/tcp`: what the bench, on the
+/// node, cannot dial, such as a pod's loopback).
+pub fn wait_listening(pid: u32, addr: SocketAddr, within: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp"))
+            .with_context(|| format!("pid {pid} is gone"))?;
+        if listens_on(&table, addr) {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("pid {pid} was not listening on {addr} within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Whether a `/proc/net/tcp` table has a socket in LISTEN on `addr` (or on
+/// the wildcard address at its port).
+fn listens_on(table: &str, addr: SocketAddr) -> bool {
+    let IpAddr::V4(ip) = addr.ip() else {
+        return false;
+    };
+    // The kernel prints the address as the u32 it holds (network order) in
+    // hex, so on a little-endian machine 127.0.0.1 reads 0100007F.
+    let hex = |ip: Ipv4Addr| format!("{:08X}", u32::from_ne_bytes(ip.octets()));
+    let wanted = [
+        format!("{}:{:04X}", hex(ip), addr.port()),
+        format!("{}:{:04X}", hex(Ipv4Addr::UNSPECIFIED), addr.port()),
+    ];
+    table.lines().skip(1).any(|line| {
+        let mut fields = line.split_whitespace();
+        let (local, state) = (fields.nth(1), fields.nth(1));
+        state == Some("0A") && local.is_some_and(|l| wanted.iter().any(|w| w == l))
+    })
 }
 
 /// Fails unless `pid` runs `exe` (the measured process, not `ip` or
@@ -535,7 +576,7 @@ mod tests {
 
     #[test]
     fn interception_skips_the_admin_and_control_ports() {
-        let a = init_args(39_001).join(" ");
+        let a = init_args(Some(39_001)).join(" ");
         assert!(a.contains("--proxy-uid 1337"), "{a}");
         assert!(
             a.contains("--outbound-port 4140 --inbound-port 4143"),
@@ -543,6 +584,28 @@ mod tests {
         );
         assert!(a.contains("--skip-inbound-ports 4191"), "{a}");
         assert!(a.contains("--skip-outbound-ports 39001"), "{a}");
+        let a = init_args(None).join(" ");
+        assert!(!a.contains("--skip-outbound-ports"), "{a}");
+    }
+
+    #[test]
+    #[cfg(target_endian = "little")]
+    fn a_listening_socket_is_found_by_address_and_state() {
+        // From /proc/net/tcp: 127.0.0.1:4140 listening, 10.254.1.6:4143
+        // listening, 10.254.1.6:8080 established.
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
+             0: 0100007F:102C 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1337        0 1 1\n\
+             1: 0601FE0A:102F 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1337        0 2 1\n\
+             2: 0601FE0A:1F90 0201FE0A:9C40 01 00000000:00000000 00:00000000 00000000     0        0 3 1\n";
+        let at = |s: &str| s.parse::<SocketAddr>().unwrap();
+        assert!(listens_on(table, at("127.0.0.1:4140")));
+        assert!(listens_on(table, at("10.254.1.6:4143")));
+        // Established, not listening.
+        assert!(!listens_on(table, at("10.254.1.6:8080")));
+        assert!(!listens_on(table, at("127.0.0.1:4143")));
+        // The wildcard address listens on every address.
+        let any = "header\n 0: 00000000:102C 00000000:0000 0A 0 0 0 0 0 0 0\n";
+        assert!(listens_on(any, at("127.0.0.1:4140")));
     }
 
     #[test]

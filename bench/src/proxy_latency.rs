@@ -19,8 +19,8 @@
 //! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
 //!          [--perf DIR] [--syscalls] [--allocs] [--compare-h1] [--haproxy-mtls]
-//!          [--tether-proxy PATH] [--protocol http1|http2|grpc] [--netns] [--callgrind DIR]
-//!          [--request-ids]
+//!          [--tether-proxy PATH] [--protocol http1|http2|grpc] [--netns [--haproxy-sidecar]]
+//!          [--callgrind DIR] [--request-ids]
 //!
 //! The Tether pairs run `tether-proxy`, the proxy-only binary (`--tether-proxy
 //! PATH`; default: beside `--tether`); `--compare target/release/tether`
@@ -69,6 +69,15 @@
 //! a client pod and a server pod per route (network namespaces joined to
 //! the root namespace by veths), the Tether pods intercepted by `tether
 //! init`, the load dialing the service's cluster IP; see `netns.rs`.
+//!
+//! `--haproxy-sidecar` (with `--netns`) adds a plaintext HAProxy pair run
+//! as the Tether pairs are: its pods behind the same `tether init`
+//! redirect, HAProxy as the proxies' user on the outbound and inbound
+//! ports, the load dialing the server pod's app port. The plain HAProxy
+//! pair is dialed at its pods' addresses with no redirect, so its kernel
+//! does no connection tracking or NAT; this one does the same kernel work
+//! as a Tether pair, and every Tether pair is checked against it too.
+//! Informational: the goals stay against the plain pair.
 //!
 //! `--callgrind DIR` runs every proxy under callgrind and prints the
 //! user-space instructions each executes per request (first repetition's
@@ -121,6 +130,9 @@ struct Args {
     /// Add an HAProxy pair with mTLS and HTTP/2 between its two proxies
     /// (Tether's wire protocol), for an informational ratio.
     haproxy_mtls: bool,
+    /// Add a plaintext HAProxy pair run as sidecars, behind the same
+    /// redirect as the Tether pods (--netns only).
+    haproxy_sidecar: bool,
     /// What the load speaks to the outbound: `http1`, `http2` or `grpc`.
     protocol: String,
     /// Every route in its own pair of pod network namespaces, the Tether
@@ -217,7 +229,7 @@ usage: proxy-latency [--tether PATH] [--tether-proxy PATH] [--rates 1000,5000] [
                      [--reps 3] [--concurrency 32] [--proxy-arg ARG]... [--compare BINARY]...
                      [--compare-threads N]... [--compare-h1] [--haproxy-mtls] [--syscalls]
                      [--allocs] [--perf DIR] [--callgrind DIR] [--protocol http1|http2|grpc]
-                     [--netns] [--request-ids]
+                     [--netns [--haproxy-sidecar]] [--request-ids]
 The flags and what each figure means: docs/benchmarks.md.";
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -236,6 +248,7 @@ fn parse_args() -> anyhow::Result<Args> {
         compare_h1: false,
         allocs: false,
         haproxy_mtls: false,
+        haproxy_sidecar: false,
         protocol: "http1".to_string(),
         netns: false,
         callgrind: None,
@@ -261,6 +274,10 @@ fn parse_args() -> anyhow::Result<Args> {
         }
         if flag == "--haproxy-mtls" {
             args.haproxy_mtls = true;
+            continue;
+        }
+        if flag == "--haproxy-sidecar" {
+            args.haproxy_sidecar = true;
             continue;
         }
         if flag == "--netns" {
@@ -308,6 +325,9 @@ fn parse_args() -> anyhow::Result<Args> {
     }
     if args.callgrind.is_some() && args.netns {
         bail!("--callgrind runs over loopback only: drop --netns");
+    }
+    if args.haproxy_sidecar && !args.netns {
+        bail!("--haproxy-sidecar runs HAProxy behind a pod's redirect: add --netns");
     }
     if args.request_ids && args.protocol == "grpc" {
         bail!("--request-ids: HTTP only (--protocol http1 or http2)");
@@ -640,20 +660,36 @@ fn haproxy_certificates(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf
     Ok((ca_file, server, client))
 }
 
-/// An HAProxy pair (client side → server side → `backend`) on `client_port`
-/// and `server_port`, with mTLS and HTTP/2 between the two when `mtls`,
-/// each side in its pod of `pods` when given: the pids, client side first,
-/// and the processes.
+/// Where an HAProxy pair listens and what it dials.
+struct HaproxyPair<'a> {
+    /// Names its config and log files.
+    file: &'a str,
+    client_listen: SocketAddr,
+    server_listen: SocketAddr,
+    /// What the client side dials: the server side, or (as a sidecar) the
+    /// server pod's app port, which that pod's redirect sends to the
+    /// server side.
+    client_next: SocketAddr,
+    backend: SocketAddr,
+    /// mTLS and HTTP/2 between the two sides.
+    mtls: bool,
+    /// As a sidecar: both pods behind `tether init`'s redirect, HAProxy
+    /// as the proxies' user on the outbound and inbound ports.
+    sidecar: bool,
+}
+
+/// An HAProxy pair (client side → server side → backend), each side in its
+/// pod of `pods` when given: the pids, client side first, and the
+/// processes.
 async fn haproxy_pair(
     dir: &Path,
-    name: &str,
-    (client_port, server_port): (SocketAddr, SocketAddr),
-    backend: SocketAddr,
-    mtls: bool,
+    tether: &Path,
+    pair: HaproxyPair<'_>,
     pods: Option<&(netns::Pod, netns::Pod)>,
     callgrind: Option<&Path>,
 ) -> anyhow::Result<(Vec<u32>, Vec<tokio::process::Child>)> {
-    let (bind_opts, server_opts) = if mtls {
+    let name = pair.file;
+    let (bind_opts, server_opts) = if pair.mtls {
         let (ca, server, client) = haproxy_certificates(dir)?;
         let (ca, server, client) = (ca.display(), server.display(), client.display());
         (
@@ -666,21 +702,27 @@ async fn haproxy_pair(
     } else {
         (String::new(), String::new())
     };
+    if pair.sidecar {
+        let (client, server) = pods.context("an HAProxy sidecar pair needs --netns")?;
+        for pod in [server, client] {
+            netns::intercept(tether, pod, None)?;
+        }
+    }
     let mut pids = Vec::new();
     let mut children = Vec::new();
     for (side, listen, next, bind, server, pod) in [
         (
             "server",
-            server_port,
-            backend,
+            pair.server_listen,
+            pair.backend,
             bind_opts.as_str(),
             "",
             pods.map(|p| &p.1),
         ),
         (
             "client",
-            client_port,
-            server_port,
+            pair.client_listen,
+            pair.client_next,
             "",
             server_opts.as_str(),
             pods.map(|p| &p.0),
@@ -694,29 +736,35 @@ async fn haproxy_pair(
             Some(out) => callgrind::wrap(out, Path::new("haproxy"), argv),
             None => (PathBuf::from("haproxy"), argv),
         };
-        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-        let child = spawn_peer(
-            &program.display().to_string(),
-            &argv,
-            &dir.join(format!("{file}.log")),
-            pod,
-        )?;
-        pids.insert(0, child.id().unwrap_or(0));
+        let log = dir.join(format!("{file}.log"));
+        let child = match (pod, pair.sidecar) {
+            // As the proxies' user, whose connections the redirect leaves alone.
+            (Some(pod), true) => {
+                let mut full = pod.exec_as_proxy(&program.display().to_string());
+                full.extend(argv);
+                let full: Vec<&str> = full.iter().map(String::as_str).collect();
+                spawn_peer("ip", &full, &log, None)?
+            }
+            _ => {
+                let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+                spawn_peer(&program.display().to_string(), &argv, &log, pod)?
+            }
+        };
+        let pid = child.id().unwrap_or(0);
+        if pair.sidecar {
+            // The client side listens on its pod's loopback, which the
+            // bench cannot dial: its socket table says when it is up.
+            netns::wait_listening(pid, listen, Duration::from_secs(10))
+                .with_context(|| haproxy_logs(dir, name))?;
+        }
+        pids.insert(0, pid);
         children.push(child);
     }
     // Through the client side: both are up (the server side may speak TLS).
-    if let Err(e) = wait_http(client_port, Duration::from_secs(10)).await {
-        let logs: Vec<String> = ["server", "client"]
-            .iter()
-            .map(|side| {
-                let log = dir.join(format!("{name}-{side}.log"));
-                format!(
-                    "{side}: {}",
-                    std::fs::read_to_string(log).unwrap_or_default().trim()
-                )
-            })
-            .collect();
-        bail!("{e}; HAProxy said:\n{}", logs.join("\n"));
+    if !pair.sidecar {
+        if let Err(e) = wait_http(pair.client_listen, Duration::from_secs(10)).await {
+            bail!("{e}; HAProxy said:\n{}", haproxy_logs(dir, name));
+        }
     }
     if pods.is_some() {
         for pid in &pids {
@@ -724,6 +772,21 @@ async fn haproxy_pair(
         }
     }
     Ok((pids, children))
+}
+
+/// What each side of the HAProxy pair `name` logged.
+fn haproxy_logs(dir: &Path, name: &str) -> String {
+    ["server", "client"]
+        .iter()
+        .map(|side| {
+            let log = dir.join(format!("{name}-{side}.log"));
+            format!(
+                "{side}: {}",
+                std::fs::read_to_string(log).unwrap_or_default().trim()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// nginx with one worker answering every request with a small body.
@@ -790,6 +853,7 @@ async fn main() -> anyhow::Result<()> {
         let pairs = 1
             + usize::from(http1)
             + usize::from(http1 && args.haproxy_mtls)
+            + usize::from(http1 && args.haproxy_sidecar)
             + variants(&args).len();
         let node = netns::Node::new(pairs)?;
         remove_on_signal(dir.clone());
@@ -833,27 +897,66 @@ async fn main() -> anyhow::Result<()> {
     // The HAProxy pairs: client side → server side → backend.
     let mut haproxies = Vec::new();
     if http1 {
-        haproxies.push(("haproxy", "haproxy", (ports[1], ports[2]), false));
+        haproxies.push((
+            "haproxy",
+            "haproxy",
+            Some((ports[1], ports[2])),
+            false,
+            false,
+        ));
     }
     if http1 && args.haproxy_mtls {
-        haproxies.push((HAPROXY_MTLS, "haproxy-mtls", (ports[3], ports[4]), true));
+        haproxies.push((
+            HAPROXY_MTLS,
+            "haproxy-mtls",
+            Some((ports[3], ports[4])),
+            true,
+            false,
+        ));
     }
-    for (name, file, loopback_ports, mtls) in haproxies {
+    if http1 && args.haproxy_sidecar {
+        // Pods only (checked with the flags).
+        haproxies.push((HAPROXY_SIDECAR, "haproxy-sidecar", None, false, true));
+    }
+    for (name, file, loopback_ports, mtls, sidecar) in haproxies {
         let k = routes.len();
         let (_, backend) = backends.of(k, pods(k)).await?;
-        let listen = match pods(k) {
-            Some((client, server)) => (
+        let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
+        // client listen, server listen, what the client side and the load dial
+        let (client_listen, server_listen, client_next, connect) = match (pods(k), sidecar) {
+            // As sidecars: the load dials the server pod's app port, the
+            // client pod's redirect sends it to the outbound port, the
+            // server pod's to the inbound port.
+            (Some((_, server)), true) => (
+                loopback(netns::OUTBOUND_PORT),
+                server.addr(netns::INBOUND_PORT),
+                server.addr(netns::APP_PORT),
+                server.addr(netns::APP_PORT),
+            ),
+            (Some((client, server)), false) => (
                 client.addr(netns::HAPROXY_CLIENT_PORT),
                 server.addr(netns::HAPROXY_SERVER_PORT),
+                server.addr(netns::HAPROXY_SERVER_PORT),
+                client.addr(netns::HAPROXY_CLIENT_PORT),
             ),
-            None => loopback_ports,
+            (None, _) => {
+                let (client, server) = loopback_ports.context("this HAProxy pair runs in pods")?;
+                (client, server, server, client)
+            }
+        };
+        let pair = HaproxyPair {
+            file,
+            client_listen,
+            server_listen,
+            client_next,
+            backend,
+            mtls,
+            sidecar,
         };
         let (pids, children) = haproxy_pair(
             &dir,
-            file,
-            listen,
-            backend,
-            mtls,
+            &args.tether,
+            pair,
             pods(k).as_ref(),
             args.callgrind.as_deref(),
         )
@@ -861,7 +964,7 @@ async fn main() -> anyhow::Result<()> {
         backends.peers.extend(children);
         routes.push(Route {
             name: s(name),
-            connect: listen.0,
+            connect,
             authority: authority.clone(),
             pids,
             client_ns: pods(k).map(|(c, _)| c.ns),
@@ -912,7 +1015,7 @@ async fn main() -> anyhow::Result<()> {
         )?;
         if let Some((client, server)) = &pod_pair {
             for pod in [server, client] {
-                netns::intercept(&args.tether, pod, control.addr("grpc").port())?;
+                netns::intercept(&args.tether, pod, Some(control.addr("grpc").port()))?;
             }
         }
         let server_id = tether_identity::identity_name(&service, "bench", "cluster.local");
@@ -1744,11 +1847,27 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
         println!();
     }
 
-    let Some(hi) = routes.iter().position(|r| r.name == "haproxy") else {
-        return;
-    };
-    let h = &sums[hi];
-    println!("\nTether / HAProxy (same run; goal in brackets):");
+    let position = |name: &str| routes.iter().position(|r| r.name == name);
+    if let Some(hi) = position("haproxy") {
+        println!("\nTether / HAProxy (same run; goal in brackets):");
+        report_goals(args, routes, sums, &sums[hi]);
+    }
+    if let Some(si) = position(HAPROXY_SIDECAR) {
+        println!(
+            "\nTether / HAProxy as sidecars, behind the same redirect (same run; informational, \
+             issue 14's goals in brackets):"
+        );
+        report_goals(args, routes, sums, &sums[si]);
+    }
+    if let Some(mi) = position(HAPROXY_MTLS) {
+        report_against_haproxy_mtls(args, routes, sums, &sums[mi]);
+    }
+}
+
+/// Each Tether pair's figures against the HAProxy pair `h`'s, with issue
+/// 14's goals: PASS or FAIL on the medians, and per repetition.
+fn report_goals(args: &Args, routes: &[Route], sums: &[Summary], h: &Summary) {
+    let direct = &sums[0];
     for (r, t) in routes.iter().zip(sums).filter(|(r, _)| is_tether(r)) {
         let mut verdicts = Vec::new();
         let mut check = |what: String, ratio: f64, pass: bool, spread: String| {
@@ -1858,13 +1977,12 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
         let passed = verdicts.iter().filter(|v| **v).count();
         println!("  {:<12} {passed} of {} goals met", r.name, verdicts.len());
     }
-    if let Some(mi) = routes.iter().position(|r| r.name == HAPROXY_MTLS) {
-        report_against_haproxy_mtls(args, routes, sums, &sums[mi]);
-    }
 }
 
 /// The name of the HAProxy pair with mTLS and HTTP/2 between its proxies.
 const HAPROXY_MTLS: &str = "haproxy+mTLS";
+/// The name of the HAProxy pair run as sidecars, behind the redirect.
+const HAPROXY_SIDECAR: &str = "haproxy+redir";
 
 /// A route through a Tether pair (not direct, not an HAProxy pair).
 fn is_tether(route: &Route) -> bool {
