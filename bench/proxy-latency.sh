@@ -18,6 +18,8 @@
 #   --protocol http2|grpc (the load speaks HTTP/2 or gRPC to the demo app; no HAProxy pairs)
 #   --netns (root: every route in a client pod and a server pod, network namespaces joined through the node by
 #     veths; the Tether pods behind `tether init`'s iptables redirect, the load dialing the service's cluster IP)
+#   --haproxy-sidecar (with --netns: an extra plaintext HAProxy pair run as sidecars, behind the same redirect;
+#     every Tether pair is checked against it too, informational)
 #   --pgo (build the sidecar with profile-guided optimisation and BOLT, bench/pgo.sh, ~25 min from scratch; its pairs run
 #     that build, and an extra mTLS pair runs the release-lto build it started from)
 set -euo pipefail

@@ -378,7 +378,7 @@ impl Node {
              the node (the root namespace, forwarding) by a veth pair in 10.{}.0.0/16; Tether pods \
              intercepted by `tether init` (iptables REDIRECT, proxies as uid {PROXY_UID}), the load \
              dialing the service's cluster IP in {}; direct and HAProxy dialed at pod IPs, no \
-             redirect (but haproxy+redir: as sidecars, behind the same redirect); control plane on the node at {}; {} pods made in {:.1} s",
+             redirect; control plane on the node at {}; {} pods made in {:.1} s",
             self.plan.octet,
             self.plan.service_range(),
             self.control_ip(),
@@ -450,21 +450,30 @@ fn init_args(control_port: Option<u16>) -> Vec<String> {
     args
 }
 
-/// Waits until the process `pid` has a TCP socket listening on `addr` in
-/// its network namespace (`/proc/PID/net/tcp`: what the bench, on the
-/// node, cannot dial, such as a pod's loopback).
-pub fn wait_listening(pid: u32, addr: SocketAddr, within: Duration) -> anyhow::Result<()> {
+/// Waits until the process `pid` runs `exe` and a TCP socket listens on
+/// `addr` in its network namespace (`/proc/PID/net/tcp`): for what the
+/// bench, on the node, cannot dial, such as a pod's loopback. The program
+/// first, since `/proc/PID/net` is the namespace the pid is in now, and
+/// until `ip netns exec` has switched and exec'd that is the node's.
+pub async fn wait_listening(
+    pid: u32,
+    exe: &Path,
+    addr: SocketAddr,
+    within: Duration,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + within;
     loop {
+        // The program first: a table read before the exec is the node's.
+        let runs = check_runs(pid, exe).is_ok();
         let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp"))
             .with_context(|| format!("pid {pid} is gone"))?;
-        if listens_on(&table, addr) {
+        if runs && listens_on(&table, addr) {
             return Ok(());
         }
         if Instant::now() >= deadline {
             bail!("pid {pid} was not listening on {addr} within {within:?}");
         }
-        std::thread::sleep(Duration::from_millis(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -482,6 +491,7 @@ fn listens_on(table: &str, addr: SocketAddr) -> bool {
         format!("{}:{:04X}", hex(Ipv4Addr::UNSPECIFIED), addr.port()),
     ];
     table.lines().skip(1).any(|line| {
+        // "sl local_address rem_address st …": the second field, then the fourth.
         let mut fields = line.split_whitespace();
         let (local, state) = (fields.nth(1), fields.nth(1));
         state == Some("0A") && local.is_some_and(|l| wanted.iter().any(|w| w == l))

@@ -326,8 +326,14 @@ fn parse_args() -> anyhow::Result<Args> {
     if args.callgrind.is_some() && args.netns {
         bail!("--callgrind runs over loopback only: drop --netns");
     }
+    if args.haproxy_sidecar && args.callgrind.is_some() {
+        bail!("--haproxy-sidecar runs in pods (--netns), --callgrind over loopback: not both");
+    }
     if args.haproxy_sidecar && !args.netns {
         bail!("--haproxy-sidecar runs HAProxy behind a pod's redirect: add --netns");
+    }
+    if args.haproxy_sidecar && args.protocol != "http1" {
+        bail!("--haproxy-sidecar: HAProxy pairs speak HTTP/1.1 only (drop --protocol)");
     }
     if args.request_ids && args.protocol == "grpc" {
         bail!("--request-ids: HTTP only (--protocol http1 or http2)");
@@ -660,10 +666,33 @@ fn haproxy_certificates(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf
     Ok((ca_file, server, client))
 }
 
+/// Which HAProxy pair, each a route of its own.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Haproxy {
+    /// Plaintext HTTP/1.1, dialed at its listeners: the peer to beat.
+    Plain,
+    /// mTLS and HTTP/2 between its two sides, as Tether's wire.
+    Mtls,
+    /// Plaintext, run as sidecars: both pods behind `tether init`'s
+    /// redirect, HAProxy as the proxies' user on the outbound and inbound
+    /// ports (--netns only).
+    Sidecar,
+}
+
+impl Haproxy {
+    /// The route's name, and its config and log files' prefix.
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Haproxy::Plain => ("haproxy", "haproxy"),
+            Haproxy::Mtls => (HAPROXY_MTLS, "haproxy-mtls"),
+            Haproxy::Sidecar => (HAPROXY_SIDECAR, "haproxy-redir"),
+        }
+    }
+}
+
 /// Where an HAProxy pair listens and what it dials.
-struct HaproxyPair<'a> {
-    /// Names its config and log files.
-    file: &'a str,
+struct HaproxyPair {
+    kind: Haproxy,
     client_listen: SocketAddr,
     server_listen: SocketAddr,
     /// What the client side dials: the server side, or (as a sidecar) the
@@ -671,25 +700,20 @@ struct HaproxyPair<'a> {
     /// server side.
     client_next: SocketAddr,
     backend: SocketAddr,
-    /// mTLS and HTTP/2 between the two sides.
-    mtls: bool,
-    /// As a sidecar: both pods behind `tether init`'s redirect, HAProxy
-    /// as the proxies' user on the outbound and inbound ports.
-    sidecar: bool,
 }
 
 /// An HAProxy pair (client side → server side → backend), each side in its
 /// pod of `pods` when given: the pids, client side first, and the
-/// processes.
+/// processes. A sidecar pair's pods must be intercepted already.
 async fn haproxy_pair(
     dir: &Path,
-    tether: &Path,
-    pair: HaproxyPair<'_>,
+    pair: HaproxyPair,
     pods: Option<&(netns::Pod, netns::Pod)>,
     callgrind: Option<&Path>,
 ) -> anyhow::Result<(Vec<u32>, Vec<tokio::process::Child>)> {
-    let name = pair.file;
-    let (bind_opts, server_opts) = if pair.mtls {
+    let (_, name) = pair.kind.names();
+    let sidecar = pair.kind == Haproxy::Sidecar;
+    let (bind_opts, server_opts) = if pair.kind == Haproxy::Mtls {
         let (ca, server, client) = haproxy_certificates(dir)?;
         let (ca, server, client) = (ca.display(), server.display(), client.display());
         (
@@ -702,12 +726,6 @@ async fn haproxy_pair(
     } else {
         (String::new(), String::new())
     };
-    if pair.sidecar {
-        let (client, server) = pods.context("an HAProxy sidecar pair needs --netns")?;
-        for pod in [server, client] {
-            netns::intercept(tether, pod, None)?;
-        }
-    }
     let mut pids = Vec::new();
     let mut children = Vec::new();
     for (side, listen, next, bind, server, pod) in [
@@ -737,7 +755,7 @@ async fn haproxy_pair(
             None => (PathBuf::from("haproxy"), argv),
         };
         let log = dir.join(format!("{file}.log"));
-        let child = match (pod, pair.sidecar) {
+        let child = match (pod, sidecar) {
             // As the proxies' user, whose connections the redirect leaves alone.
             (Some(pod), true) => {
                 let mut full = pod.exec_as_proxy(&program.display().to_string());
@@ -751,20 +769,31 @@ async fn haproxy_pair(
             }
         };
         let pid = child.id().unwrap_or(0);
-        if pair.sidecar {
-            // The client side listens on its pod's loopback, which the
-            // bench cannot dial: its socket table says when it is up.
-            netns::wait_listening(pid, listen, Duration::from_secs(10))
-                .with_context(|| haproxy_logs(dir, name))?;
-        }
         pids.insert(0, pid);
         children.push(child);
-    }
-    // Through the client side: both are up (the server side may speak TLS).
-    if !pair.sidecar {
-        if let Err(e) = wait_http(pair.client_listen, Duration::from_secs(10)).await {
-            bail!("{e}; HAProxy said:\n{}", haproxy_logs(dir, name));
+        if sidecar && side == "client" {
+            // On its pod's loopback, out of the node's reach: its socket
+            // table says when it listens.
+            netns::wait_listening(pid, Path::new("haproxy"), listen, Duration::from_secs(10))
+                .await
+                .with_context(|| {
+                    format!(
+                        "HAProxy's client side; HAProxy said:\n{}",
+                        haproxy_logs(dir, name)
+                    )
+                })?;
         }
+    }
+    // Through the client side: both are up (the server side may speak
+    // TLS). A sidecar pair's client side is out of reach, but its server
+    // side's port is one the redirect skips: through it, nginx answers.
+    let through = if sidecar {
+        pair.server_listen
+    } else {
+        pair.client_listen
+    };
+    if let Err(e) = wait_http(through, Duration::from_secs(10)).await {
+        bail!("{e}; HAProxy said:\n{}", haproxy_logs(dir, name));
     }
     if pods.is_some() {
         for pid in &pids {
@@ -897,73 +926,60 @@ async fn main() -> anyhow::Result<()> {
     // The HAProxy pairs: client side → server side → backend.
     let mut haproxies = Vec::new();
     if http1 {
-        haproxies.push((
-            "haproxy",
-            "haproxy",
-            Some((ports[1], ports[2])),
-            false,
-            false,
-        ));
+        haproxies.push((Haproxy::Plain, Some((ports[1], ports[2]))));
     }
     if http1 && args.haproxy_mtls {
-        haproxies.push((
-            HAPROXY_MTLS,
-            "haproxy-mtls",
-            Some((ports[3], ports[4])),
-            true,
-            false,
-        ));
+        haproxies.push((Haproxy::Mtls, Some((ports[3], ports[4]))));
     }
     if http1 && args.haproxy_sidecar {
         // Pods only (checked with the flags).
-        haproxies.push((HAPROXY_SIDECAR, "haproxy-sidecar", None, false, true));
+        haproxies.push((Haproxy::Sidecar, None));
     }
-    for (name, file, loopback_ports, mtls, sidecar) in haproxies {
+    for (kind, loopback_ports) in haproxies {
         let k = routes.len();
         let (_, backend) = backends.of(k, pods(k)).await?;
         let loopback = |port| SocketAddr::from(([127, 0, 0, 1], port));
         // client listen, server listen, what the client side and the load dial
-        let (client_listen, server_listen, client_next, connect) = match (pods(k), sidecar) {
-            // As sidecars: the load dials the server pod's app port, the
-            // client pod's redirect sends it to the outbound port, the
-            // server pod's to the inbound port.
-            (Some((_, server)), true) => (
-                loopback(netns::OUTBOUND_PORT),
-                server.addr(netns::INBOUND_PORT),
-                server.addr(netns::APP_PORT),
-                server.addr(netns::APP_PORT),
-            ),
-            (Some((client, server)), false) => (
+        let (client_listen, server_listen, client_next, connect) = match (&node, pods(k), kind) {
+            // As sidecars: the load dials a cluster IP as an app would (a
+            // connection that escaped the client pod's redirect would die
+            // on the node), the client pod's redirect sends it to the
+            // outbound port, and the client side dials the server pod's
+            // app port, which that pod's redirect sends to the inbound port.
+            (Some(node), Some((client, server)), Haproxy::Sidecar) => {
+                for pod in [&server, &client] {
+                    netns::intercept(&args.tether, pod, None)?;
+                }
+                (
+                    loopback(netns::OUTBOUND_PORT),
+                    server.addr(netns::INBOUND_PORT),
+                    server.addr(netns::APP_PORT),
+                    SocketAddr::new(IpAddr::V4(node.plan.cluster_ip(k)), netns::APP_PORT),
+                )
+            }
+            (_, Some((client, server)), _) => (
                 client.addr(netns::HAPROXY_CLIENT_PORT),
                 server.addr(netns::HAPROXY_SERVER_PORT),
                 server.addr(netns::HAPROXY_SERVER_PORT),
                 client.addr(netns::HAPROXY_CLIENT_PORT),
             ),
-            (None, _) => {
+            (_, None, _) => {
                 let (client, server) = loopback_ports.context("this HAProxy pair runs in pods")?;
                 (client, server, server, client)
             }
         };
         let pair = HaproxyPair {
-            file,
+            kind,
             client_listen,
             server_listen,
             client_next,
             backend,
-            mtls,
-            sidecar,
         };
-        let (pids, children) = haproxy_pair(
-            &dir,
-            &args.tether,
-            pair,
-            pods(k).as_ref(),
-            args.callgrind.as_deref(),
-        )
-        .await?;
+        let (pids, children) =
+            haproxy_pair(&dir, pair, pods(k).as_ref(), args.callgrind.as_deref()).await?;
         backends.peers.extend(children);
         routes.push(Route {
-            name: s(name),
+            name: s(kind.names().0),
             connect,
             authority: authority.clone(),
             pids,
@@ -1162,8 +1178,14 @@ async fn main() -> anyhow::Result<()> {
     // Warm up every path (connections, discovery, handshakes).
     for r in &routes {
         let counted = counts(r).await?;
+        let ran: Vec<u64> = r
+            .pids
+            .iter()
+            .map(|p| tether_bench::sched(*p).timeslices)
+            .collect();
         let report = load(&args, r, Some(200.0), 1.0)?;
         check_counted(r, &counted, &report).await?;
+        check_ran(r, &ran, &report)?;
     }
     let cpu = |r: &Route| {
         r.pids
@@ -1210,10 +1232,16 @@ async fn main() -> anyhow::Result<()> {
         }
     );
     for variant in &variants(&args) {
-        println!("  {:<12} runs {}", variant.name, variant.proxy.describe());
+        println!("  {:<13} runs {}", variant.name, variant.proxy.describe());
     }
     if let Some(node) = &node {
         println!("topology: {}", node.describe());
+        if args.haproxy_sidecar {
+            println!(
+                "  {HAPROXY_SIDECAR}: HAProxy as sidecars, its pods behind the same redirect as \
+                 Tether's, the load dialing a cluster IP"
+            );
+        }
     }
     println!(
         "{} cores, load average at start {}",
@@ -1369,6 +1397,34 @@ async fn counts(route: &Route) -> anyhow::Result<Vec<f64>> {
 /// bypassed (a redirect that did not apply) must not pass for a fast one.
 /// A proxy counts a request as its response ends, so the counts are
 /// polled a while.
+/// For a route whose proxies count nothing (HAProxy's): the load got
+/// answers, and every proxy on the route was put on a CPU at least once
+/// per two of them. At the warm-up's low rate each request wakes each
+/// proxy on its path; a proxy that did not run was gone around (a
+/// connection that escaped a redirect), and the route would measure a
+/// faster, cheaper path than it names.
+fn check_ran(route: &Route, before: &[u64], report: &serde_json::Value) -> anyhow::Result<()> {
+    if route.pids.is_empty() || !route.counted.is_empty() {
+        return Ok(());
+    }
+    let answered = f(report, "sent") - f(report, "failed");
+    anyhow::ensure!(
+        answered > 0.0,
+        "{}: the load got no answer through the proxies: {}",
+        route.name,
+        report["errors"]
+    );
+    for (pid, before) in route.pids.iter().zip(before) {
+        let ran = tether_bench::sched(*pid).timeslices.saturating_sub(*before);
+        anyhow::ensure!(
+            ran as f64 >= answered / 2.0,
+            "{}: pid {pid} ran {ran} times for {answered} answers: the load went around it",
+            route.name
+        );
+    }
+    Ok(())
+}
+
 async fn check_counted(
     route: &Route,
     before: &[f64],
@@ -1686,7 +1742,7 @@ system calls per request at {rate} req/s, both proxies (first repetition):"
                 .filter(|(_, n)| *n >= 0.05)
                 .map(|(kind, n)| format!("{kind} {n:.2}"))
                 .collect();
-            println!("  {:<12} {total:>6.2}   {}", r.name, kinds.join(", "));
+            println!("  {:<13} {total:>6.2}   {}", r.name, kinds.join(", "));
         }
     }
 }
@@ -1722,7 +1778,7 @@ fn report_allocs(args: &Args, routes: &[Route], samples: &[Samples]) {
     for (ri, rate) in args.rates.iter().enumerate() {
         println!("\nper request at {rate} req/s, client proxy / server proxy (first repetition):");
         println!(
-            "  {:<12} {:>17} {:>17} {:>17}",
+            "  {:<13} {:>17} {:>17} {:>17}",
             "",
             alloc_probes::KINDS[0],
             alloc_probes::KINDS[1],
@@ -1743,7 +1799,7 @@ fn report_allocs(args: &Args, routes: &[Route], samples: &[Samples]) {
                 })
                 .collect();
             println!(
-                "  {:<12} {:>17} {:>17} {:>17}",
+                "  {:<13} {:>17} {:>17} {:>17}",
                 r.name, cells[0], cells[1], cells[2]
             );
         }
@@ -1758,7 +1814,7 @@ fn report_instructions(args: &Args, routes: &[Route], samples: &[Samples]) {
             "\nuser-space instructions per request at {rate} req/s (callgrind, first repetition):"
         );
         println!(
-            "  {:<12} {:>10} {:>10} {:>10} {:>12}",
+            "  {:<13} {:>10} {:>10} {:>10} {:>12}",
             "", "client", "server", "pair", "vs haproxy"
         );
         for (r, s) in routes.iter().zip(samples) {
@@ -1770,7 +1826,7 @@ fn report_instructions(args: &Args, routes: &[Route], samples: &[Samples]) {
                 .filter(|h| *h > 0.0)
                 .map_or(String::new(), |h| format!("{:.2}", pair(s, ri) / h));
             println!(
-                "  {:<12} {client:>10.0} {server:>10.0} {:>10.0} {vs:>12}",
+                "  {:<13} {client:>10.0} {server:>10.0} {:>10.0} {vs:>12}",
                 r.name,
                 client + server
             );
@@ -1804,14 +1860,14 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
             args.reps
         );
         println!(
-            "  {:<12} {:>8} {:>8} {:>8}   {:>9} {:>9} {:>9}   {:>12}",
+            "  {:<13} {:>8} {:>8} {:>8}   {:>9} {:>9} {:>9}   {:>12}",
             "", "p50", "p99", "p99.9", "+p50", "+p99", "+p99.9", "CPU-s/1k req"
         );
         for (r, s) in routes.iter().zip(sums) {
             let x = &s.fixed[ri];
             let d = &direct.fixed[ri];
             print!(
-                "  {:<12} {:>8.3} {:>8.3} {:>8.3}",
+                "  {:<13} {:>8.3} {:>8.3} {:>8.3}",
                 r.name, x.p[0], x.p[1], x.p[2]
             );
             if r.pids.is_empty() {
@@ -1833,7 +1889,7 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
     );
     for (r, s) in routes.iter().zip(sums) {
         print!(
-            "  {:<12} {:>9.0} req/s  ({:.2} of direct)",
+            "  {:<13} {:>9.0} req/s  ({:.2} of direct)",
             r.name,
             s.max_rps,
             s.max_rps / direct.max_rps
@@ -1850,14 +1906,20 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
     let position = |name: &str| routes.iter().position(|r| r.name == name);
     if let Some(hi) = position("haproxy") {
         println!("\nTether / HAProxy (same run; goal in brackets):");
-        report_goals(args, routes, sums, &sums[hi]);
+        report_goals(args, routes, sums, &sums[hi], "goals met");
     }
     if let Some(si) = position(HAPROXY_SIDECAR) {
         println!(
             "\nTether / HAProxy as sidecars, behind the same redirect (same run; informational, \
              issue 14's goals in brackets):"
         );
-        report_goals(args, routes, sums, &sums[si]);
+        report_goals(
+            args,
+            routes,
+            sums,
+            &sums[si],
+            "met against HAProxy as sidecars (informational)",
+        );
     }
     if let Some(mi) = position(HAPROXY_MTLS) {
         report_against_haproxy_mtls(args, routes, sums, &sums[mi]);
@@ -1866,13 +1928,13 @@ fn report(args: &Args, routes: &[Route], sums: &[Summary]) {
 
 /// Each Tether pair's figures against the HAProxy pair `h`'s, with issue
 /// 14's goals: PASS or FAIL on the medians, and per repetition.
-fn report_goals(args: &Args, routes: &[Route], sums: &[Summary], h: &Summary) {
+fn report_goals(args: &Args, routes: &[Route], sums: &[Summary], h: &Summary, met: &str) {
     let direct = &sums[0];
     for (r, t) in routes.iter().zip(sums).filter(|(r, _)| is_tether(r)) {
         let mut verdicts = Vec::new();
         let mut check = |what: String, ratio: f64, pass: bool, spread: String| {
             println!(
-                "  {:<12} {what:<44} {ratio:>7.2}  {}{spread}",
+                "  {:<13} {what:<44} {ratio:>7.2}  {}{spread}",
                 r.name,
                 if pass { "PASS" } else { "FAIL" }
             );
@@ -1952,16 +2014,16 @@ fn report_goals(args: &Args, routes: &[Route], sums: &[Summary], h: &Summary) {
                 } else if added_h < MEANINGFUL_ADDED_MS {
                     // HAProxy's added latency is within noise of direct (it
                     // can even be negative): a ratio to it would be noise.
-                    println!("  {:<12} {what:<44} {:>7}", r.name, "n/a");
+                    println!("  {:<13} {what:<44} {:>7}", r.name, "n/a");
                 } else {
                     let ratio = added_t / added_h;
-                    println!("  {:<12} {what:<44} {ratio:>7.2}", r.name);
+                    println!("  {:<13} {what:<44} {ratio:>7.2}", r.name);
                 }
             }
         }
         let ratio = t.rss_mib / h.rss_mib;
         println!(
-            "  {:<12} {:<44} {ratio:>7.2}",
+            "  {:<13} {:<44} {ratio:>7.2}",
             r.name,
             format!("RSS under load ({:.1} vs {:.1} MiB)", t.rss_mib, h.rss_mib)
         );
@@ -1975,7 +2037,7 @@ fn report_goals(args: &Args, routes: &[Route], sums: &[Summary], h: &Summary) {
             String::new(),
         );
         let passed = verdicts.iter().filter(|v| **v).count();
-        println!("  {:<12} {passed} of {} goals met", r.name, verdicts.len());
+        println!("  {:<13} {passed} of {} {met}", r.name, verdicts.len());
     }
 }
 
@@ -1999,7 +2061,7 @@ fn report_against_haproxy_mtls(args: &Args, routes: &[Route], sums: &[Summary], 
         "\nTether / HAProxy with mTLS and HTTP/2 between its proxies (same run; informational, not a goal):"
     );
     for (r, t) in routes.iter().zip(sums).filter(|(r, _)| is_tether(r)) {
-        let line = |what: String, ratio: f64| println!("  {:<12} {what:<44} {ratio:>7.2}", r.name);
+        let line = |what: String, ratio: f64| println!("  {:<13} {what:<44} {ratio:>7.2}", r.name);
         for (ri, rate) in args.rates.iter().enumerate() {
             line(
                 format!("CPU per 1k req at {rate} req/s"),
@@ -2012,7 +2074,7 @@ fn report_against_haproxy_mtls(args: &Args, routes: &[Route], sums: &[Summary], 
         let added_m = m.fixed[ri].p[1] - direct.fixed[ri].p[1];
         let what = format!("added p99 at {rate} req/s ({added_t:+.3} vs {added_m:+.3} ms)");
         if added_m < MEANINGFUL_ADDED_MS {
-            println!("  {:<12} {what:<44} {:>7}", r.name, "n/a");
+            println!("  {:<13} {what:<44} {:>7}", r.name, "n/a");
         } else {
             line(what, added_t.max(0.0) / added_m);
         }
@@ -2039,7 +2101,7 @@ fn report_sched(args: &Args, routes: &[Route], sums: &[Summary]) {
                 .zip(&s.fixed)
                 .map(|(rate, x)| format!("at {rate}: {}", cell(x)))
                 .collect();
-            println!("  {:<12} {}", r.name, cells.join("   "));
+            println!("  {:<13} {}", r.name, cells.join("   "));
         }
     };
     per_rate(
@@ -2073,7 +2135,32 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::spread;
+    use super::{check_ran, spread, Route};
+
+    #[test]
+    fn a_route_whose_proxy_did_not_run_for_its_answers_is_refused() {
+        let me = std::process::id();
+        let route = Route {
+            name: "haproxy".into(),
+            connect: "127.0.0.1:1".parse().unwrap(),
+            authority: String::new(),
+            pids: vec![me],
+            client_ns: None,
+            counted: vec![],
+        };
+        let before = [tether_bench::sched(me).timeslices];
+        // Put on a CPU again after each sleep: a few times, not 500.
+        for _ in 0..3 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let answers = |n: u64| serde_json::json!({"sent": n, "failed": 0, "errors": {}});
+        let err = check_ran(&route, &before, &answers(1000)).unwrap_err();
+        assert!(err.to_string().contains("went around it"), "{err}");
+        check_ran(&route, &before, &answers(2)).unwrap();
+        let none = serde_json::json!({"sent": 5, "failed": 5, "errors": {"refused": 5}});
+        let err = check_ran(&route, &before, &none).unwrap_err();
+        assert!(err.to_string().contains("no answer"), "{err}");
+    }
 
     #[test]
     fn spread_pairs_repetitions_and_counts_the_ones_that_meet_the_goal() {
