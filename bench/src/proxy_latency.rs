@@ -73,7 +73,7 @@
 //! `--haproxy-sidecar` (with `--netns`) adds a plaintext HAProxy pair run
 //! as the Tether pairs are: its pods behind the same `tether init`
 //! redirect, HAProxy as the proxies' user on the outbound and inbound
-//! ports, the load dialing the server pod's app port. The plain HAProxy
+//! ports, the load dialing a cluster IP as an app would. The plain HAProxy
 //! pair is dialed at its pods' addresses with no redirect, so its kernel
 //! does no connection tracking or NAT; this one does the same kernel work
 //! as a Tether pair, and every Tether pair is checked against it too.
