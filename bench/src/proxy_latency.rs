@@ -1392,11 +1392,6 @@ async fn counts(route: &Route) -> anyhow::Result<Vec<f64>> {
     Ok(out)
 }
 
-/// Fails unless every counting proxy of `route` counted at least the
-/// requests the load got an answer to since `before`: a proxy the traffic
-/// bypassed (a redirect that did not apply) must not pass for a fast one.
-/// A proxy counts a request as its response ends, so the counts are
-/// polled a while.
 /// For a route whose proxies count nothing (HAProxy's): the load got
 /// answers, and every proxy on the route was put on a CPU at least once
 /// per two of them. At the warm-up's low rate each request wakes each
@@ -1407,13 +1402,7 @@ fn check_ran(route: &Route, before: &[u64], report: &serde_json::Value) -> anyho
     if route.pids.is_empty() || !route.counted.is_empty() {
         return Ok(());
     }
-    let answered = f(report, "sent") - f(report, "failed");
-    anyhow::ensure!(
-        answered > 0.0,
-        "{}: the load got no answer through the proxies: {}",
-        route.name,
-        report["errors"]
-    );
+    let answered = answered(route, report)?;
     for (pid, before) in route.pids.iter().zip(before) {
         let ran = tether_bench::sched(*pid).timeslices.saturating_sub(*before);
         anyhow::ensure!(
@@ -1425,6 +1414,24 @@ fn check_ran(route: &Route, before: &[u64], report: &serde_json::Value) -> anyho
     Ok(())
 }
 
+/// The requests of a load through `route` that got an answer; none at all
+/// is no measurement either (a redirect that sent the load nowhere).
+fn answered(route: &Route, report: &serde_json::Value) -> anyhow::Result<f64> {
+    let answered = f(report, "sent") - f(report, "failed");
+    anyhow::ensure!(
+        answered > 0.0,
+        "{}: the load got no answer through the proxies: {}",
+        route.name,
+        report["errors"]
+    );
+    Ok(answered)
+}
+
+/// Fails unless every counting proxy of `route` counted at least the
+/// requests the load got an answer to since `before`: a proxy the traffic
+/// bypassed (a redirect that did not apply) must not pass for a fast one.
+/// A proxy counts a request as its response ends, so the counts are
+/// polled a while.
 async fn check_counted(
     route: &Route,
     before: &[f64],
@@ -1433,15 +1440,7 @@ async fn check_counted(
     if route.counted.is_empty() {
         return Ok(());
     }
-    let answered = f(report, "sent") - f(report, "failed");
-    // No answer at all is no measurement either (a redirect that sent the
-    // load nowhere).
-    anyhow::ensure!(
-        answered > 0.0,
-        "{}: the load got no answer through the proxies: {}",
-        route.name,
-        report["errors"]
-    );
+    let answered = answered(route, report)?;
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let now = counts(route).await?;
