@@ -148,6 +148,10 @@ pub struct Sched {
     /// Times a thread was put on a CPU (wake-ups, and returns after
     /// preemption).
     pub timeslices: u64,
+    /// Times a thread was taken off a CPU while it could still run
+    /// (`nonvoluntary_ctxt_switches`): preempted, mostly by a process it had
+    /// just woken on the same CPU. Each costs a switch out and one back.
+    pub preempted: u64,
 }
 
 /// Reads `pid`'s scheduling figures; NaN wait for a process that is gone.
@@ -155,25 +159,36 @@ pub fn sched(pid: u32) -> Sched {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return Sched {
             waited_s: f64::NAN,
-            timeslices: 0,
+            ..Sched::default()
         };
     };
     let mut out = Sched::default();
-    for stat in tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-    {
-        let mut fields = stat.split_whitespace().skip(1);
-        let mut next = || {
-            fields
-                .next()
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0)
-        };
-        out.waited_s += next() as f64 / 1e9;
-        out.timeslices += next();
+    for task in tasks.flatten() {
+        if let Ok(stat) = std::fs::read_to_string(task.path().join("schedstat")) {
+            let mut fields = stat.split_whitespace().skip(1);
+            let mut next = || {
+                fields
+                    .next()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            out.waited_s += next() as f64 / 1e9;
+            out.timeslices += next();
+        }
+        if let Ok(status) = std::fs::read_to_string(task.path().join("status")) {
+            out.preempted += preempted(&status);
+        }
     }
     out
+}
+
+/// `nonvoluntary_ctxt_switches` of a task's `/proc/.../status`, 0 when absent.
+fn preempted(status: &str) -> u64 {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("nonvoluntary_ctxt_switches:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// A digest of a set of endpoint addresses (FNV-1a over the sorted
@@ -232,6 +247,19 @@ mod tests {
         assert_eq!(cpu_model("processor\t: 0\n"), "CPU model unknown");
         let long = format!("model name\t: {}\n", "x".repeat(500));
         assert_eq!(cpu_model(&long).len(), 80);
+    }
+
+    #[test]
+    fn preemptions_are_read_from_a_tasks_status() {
+        let status = "Name:\tx\nvoluntary_ctxt_switches:\t1700\n\
+                      nonvoluntary_ctxt_switches:\t  905\n";
+        assert_eq!(preempted(status), 905);
+        assert_eq!(preempted("voluntary_ctxt_switches:\t3\n"), 0);
+        assert_eq!(preempted("nonvoluntary_ctxt_switches:\tmany\n"), 0);
+        // This process's own figures are read; a process that is gone has none.
+        let me = sched(std::process::id());
+        assert!(me.timeslices > 0, "{me:?}");
+        assert!(sched(u32::MAX).waited_s.is_nan());
     }
 
     #[test]

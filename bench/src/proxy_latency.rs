@@ -430,10 +430,12 @@ struct Fixed {
     cpu_per_k: f64,
     /// The user-space part of `cpu_per_k` (the rest is the kernel's).
     user_per_k: f64,
-    /// Per request, both proxies: µs runnable but waiting for a CPU, and
-    /// times put on a CPU (wake-ups).
+    /// Per request, both proxies: µs runnable but waiting for a CPU, times
+    /// put on a CPU (wake-ups), and times taken off one while still
+    /// runnable (preempted).
     wait_us: f64,
     slices: f64,
+    preempted: f64,
 }
 
 /// Every repetition's figures for one route.
@@ -483,6 +485,7 @@ impl Samples {
                 user_per_k: median(reps.iter().map(|r| r.user_per_k).collect()),
                 wait_us: median(reps.iter().map(|r| r.wait_us).collect()),
                 slices: median(reps.iter().map(|r| r.slices).collect()),
+                preempted: median(reps.iter().map(|r| r.preempted).collect()),
             })
             .collect();
         Summary {
@@ -1205,6 +1208,7 @@ async fn main() -> anyhow::Result<()> {
             |a, b| tether_bench::Sched {
                 waited_s: a.waited_s + b.waited_s,
                 timeslices: a.timeslices + b.timeslices,
+                preempted: a.preempted + b.preempted,
             },
         )
     };
@@ -1315,6 +1319,10 @@ async fn main() -> anyhow::Result<()> {
                     slices: sched_after
                         .timeslices
                         .saturating_sub(sched_before.timeslices) as f64
+                        / sent,
+                    preempted: sched_after
+                        .preempted
+                        .saturating_sub(sched_before.preempted) as f64
                         / sent,
                 });
                 drop(perf);
@@ -2113,8 +2121,14 @@ fn report_sched(args: &Args, routes: &[Route], sums: &[Summary]) {
         },
     );
     per_rate(
-        "scheduling per request, both proxies (medians): µs waiting for a CPU, wake-ups",
-        &|x| format!("{:>6.1} µs, {:>4.2}", x.wait_us, x.slices),
+        "scheduling per request, both proxies (medians): µs waiting for a CPU, wake-ups \
+         (of them returns after a preemption)",
+        &|x| {
+            format!(
+                "{:>6.1} µs, {:>4.2} ({:.2})",
+                x.wait_us, x.slices, x.preempted
+            )
+        },
     );
 }
 
