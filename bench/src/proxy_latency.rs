@@ -1320,9 +1320,7 @@ async fn main() -> anyhow::Result<()> {
                         .timeslices
                         .saturating_sub(sched_before.timeslices) as f64
                         / sent,
-                    preempted: sched_after
-                        .preempted
-                        .saturating_sub(sched_before.preempted) as f64
+                    preempted: sched_after.preempted.saturating_sub(sched_before.preempted) as f64
                         / sent,
                 });
                 drop(perf);
