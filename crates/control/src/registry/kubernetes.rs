@@ -188,6 +188,48 @@ struct World {
     policies: BTreeMap<PolicyKey, PolicyDoc>,
     linkerd_routes: BTreeMap<RouteKey, Route>,
     namespaces: HashMap<(String, String), Namespace>,
+    /// Derived from `routes` and `slices` (kept by [`World::insert_route`],
+    /// [`World::remove_route`] and [`World::reindex_slice`]), so that a
+    /// change costs what it touches rather than a scan of the cluster's
+    /// routes and slices (at 5,000 services a full list of the slices took
+    /// 13 s, and every Pod change 7 ms): each service's routes, each
+    /// service's slices, each pod's slices, and what each slice
+    /// contributed to those.
+    routes_of_service: HashMap<ServiceKey, BTreeSet<RouteKey>>,
+    slices_of_service: HashMap<ServiceKey, BTreeSet<(String, String)>>,
+    slices_of_pod: HashMap<(String, String), BTreeSet<(String, String)>>,
+    slice_refs: HashMap<(String, String), SliceRefs>,
+}
+
+/// What one EndpointSlice is indexed under: its service, and the pods its
+/// endpoints name (as `state` looks them up: a reference without a
+/// namespace is to the slice's own).
+struct SliceRefs {
+    service: Option<ServiceKey>,
+    pods: BTreeSet<(String, String)>,
+}
+
+impl SliceRefs {
+    fn of(slice: &EndpointSlice) -> Self {
+        let namespace = slice.namespace().unwrap_or_default();
+        let pods = slice
+            .endpoints
+            .iter()
+            .flatten()
+            .filter_map(|ep| ep.target_ref.as_ref())
+            .filter(|r| r.kind.as_deref() == Some("Pod"))
+            .filter_map(|r| {
+                Some((
+                    r.namespace.clone().unwrap_or_else(|| namespace.clone()),
+                    r.name.clone()?,
+                ))
+            })
+            .collect();
+        SliceRefs {
+            service: slice_service(slice),
+            pods,
+        }
+    }
 }
 
 /// The Gateway API group routes come from.
@@ -315,17 +357,21 @@ impl World {
             return None;
         }
         let mut routes: Vec<Route> = self
-            .routes
-            .values()
-            .filter(|r| r.parents().contains(key))
+            .routes_of_service
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.routes.get(k))
             .cloned()
             .collect();
         routes.sort_by_key(Route::key);
         let mut endpoints = Vec::new();
         for slice in self
-            .slices
-            .values()
-            .filter(|s| slice_service(s).as_ref() == Some(key))
+            .slices_of_service
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.slices.get(k))
         {
             for sp in slice.ports.iter().flatten() {
                 let Some(target) = sp.port.and_then(|p| u16::try_from(p).ok()) else {
@@ -439,24 +485,42 @@ impl World {
                 RouteKind::Grpc => &self.grpc_routes,
             };
             let current = objects.get(&(namespace, name)).map(|o| route_of(kind, o));
-            let old = self.routes.remove(&key);
+            let old = self.remove_route(&key);
             affected.extend(old.iter().flat_map(Route::parents));
             match current {
                 None | Some(Ok(None)) => {}
                 Some(Ok(Some(route))) => {
                     affected.extend(route.parents());
-                    self.routes.insert(key, route);
+                    self.insert_route(key, route);
                 }
                 Some(Err(e)) => {
                     metrics.registry_reload_errors.inc();
                     tracing::error!("{key} rejected: {e}; its last valid version stays in force");
                     if let Some(old) = old {
-                        self.routes.insert(key, old);
+                        self.insert_route(key, old);
                     }
                 }
             }
         }
         affected
+    }
+
+    fn insert_route(&mut self, key: RouteKey, route: Route) {
+        for parent in route.parents() {
+            self.routes_of_service
+                .entry(parent)
+                .or_default()
+                .insert(key.clone());
+        }
+        self.routes.insert(key, route);
+    }
+
+    fn remove_route(&mut self, key: &RouteKey) -> Option<Route> {
+        let route = self.routes.remove(key)?;
+        for parent in route.parents() {
+            remove_from(&mut self.routes_of_service, &parent, key);
+        }
+        Some(route)
     }
 
     /// Takes up the current version of each touched policy object (an
@@ -542,17 +606,70 @@ impl World {
 
     /// Services a pod's endpoints belong to.
     fn services_of_pod(&self, ns: &str, pod: &str) -> BTreeSet<ServiceKey> {
-        self.slices
-            .values()
-            .filter(|s| {
-                s.endpoints.iter().flatten().any(|e| {
-                    e.target_ref.as_ref().is_some_and(|r| {
-                        r.name.as_deref() == Some(pod) && r.namespace.as_deref().unwrap_or(ns) == ns
-                    })
-                })
-            })
-            .filter_map(slice_service)
+        self.slices_of_pod
+            .get(&(ns.to_string(), pod.to_string()))
+            .into_iter()
+            .flatten()
+            .filter_map(|k| self.slice_refs.get(k)?.service.clone())
             .collect()
+    }
+
+    /// Takes up the touched slices' current versions (or their absence)
+    /// in the indexes; the services they belonged to, before or now.
+    fn slices_changed(&mut self, touched: &[EndpointSlice]) -> BTreeSet<ServiceKey> {
+        let keys: BTreeSet<(String, String)> = touched.iter().map(key_of).collect();
+        let mut affected = BTreeSet::new();
+        for key in keys {
+            affected.extend(self.reindex_slice(key));
+        }
+        affected
+    }
+
+    /// Replaces what the slice `key` was indexed under by what its current
+    /// version names; the services of both.
+    fn reindex_slice(&mut self, key: (String, String)) -> Vec<ServiceKey> {
+        let mut services = Vec::new();
+        if let Some(old) = self.slice_refs.remove(&key) {
+            if let Some(service) = old.service {
+                remove_from(&mut self.slices_of_service, &service, &key);
+                services.push(service);
+            }
+            for pod in &old.pods {
+                remove_from(&mut self.slices_of_pod, pod, &key);
+            }
+        }
+        if let Some(slice) = self.slices.get(&key) {
+            let refs = SliceRefs::of(slice);
+            if let Some(service) = &refs.service {
+                self.slices_of_service
+                    .entry(service.clone())
+                    .or_default()
+                    .insert(key.clone());
+                services.push(service.clone());
+            }
+            for pod in &refs.pods {
+                self.slices_of_pod
+                    .entry(pod.clone())
+                    .or_default()
+                    .insert(key.clone());
+            }
+            self.slice_refs.insert(key, refs);
+        }
+        services
+    }
+}
+
+/// Takes `item` out of `map[key]`'s set, and the set out when it empties.
+fn remove_from<K: std::hash::Hash + Eq, T: Ord>(
+    map: &mut HashMap<K, BTreeSet<T>>,
+    key: &K,
+    item: &T,
+) {
+    if let Some(set) = map.get_mut(key) {
+        set.remove(item);
+        if set.is_empty() {
+            map.remove(key);
+        }
     }
 }
 
@@ -778,12 +895,12 @@ impl Registry for KubernetesRegistry {
                     let live = is_live(&e);
                     let mut touched = Vec::new();
                     synced[1] |= apply(&mut world.slices, &mut slice_relist, e, &mut touched);
-                    for s in &touched {
-                        if live {
+                    if live {
+                        for s in &touched {
                             self.observe_lag("EndpointSlice", s);
                         }
-                        affected.extend(slice_service(s));
                     }
+                    affected.extend(world.slices_changed(&touched));
                 }
                 Change::Pod(e) => {
                     let live = is_live(&e);
@@ -859,5 +976,399 @@ impl KubernetesRegistry {
                 .get_or_create(&KindLabels { kind: kind.into() })
                 .observe(lag.max(0.0));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{
+        Container, ObjectReference, PodSpec, ServicePort, ServiceSpec,
+    };
+    use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use proptest::prelude::*;
+
+    fn meta(ns: &str, name: String, labels: &[(&str, String)]) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(name),
+            namespace: Some(ns.into()),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.clone()))
+                    .collect(),
+            ),
+            ..ObjectMeta::default()
+        }
+    }
+
+    fn service(ns: &str, name: String) -> Service {
+        Service {
+            metadata: meta(ns, name, &[]),
+            spec: Some(ServiceSpec {
+                ports: Some(vec![ServicePort {
+                    name: Some("http".into()),
+                    port: 80,
+                    protocol: Some("TCP".into()),
+                    ..ServicePort::default()
+                }]),
+                ..ServiceSpec::default()
+            }),
+            ..Service::default()
+        }
+    }
+
+    /// An endpoint at `n`'s address, naming a target by kind, namespace
+    /// (none: the slice's) and name.
+    fn endpoint(n: usize, ready: bool, target: Option<(&str, Option<&str>, String)>) -> Endpoint {
+        Endpoint {
+            addresses: vec![format!("10.{}.{}.{}", n >> 16 & 255, n >> 8 & 255, n & 255)],
+            conditions: Some(EndpointConditions {
+                ready: Some(ready),
+                ..EndpointConditions::default()
+            }),
+            target_ref: target.map(|(kind, ns, name)| ObjectReference {
+                kind: Some(kind.into()),
+                namespace: ns.map(Into::into),
+                name: Some(name),
+                ..ObjectReference::default()
+            }),
+            ..Endpoint::default()
+        }
+    }
+
+    fn slice(
+        ns: &str,
+        name: String,
+        service: Option<String>,
+        endpoints: Vec<Endpoint>,
+    ) -> EndpointSlice {
+        let labels: Vec<(&str, String)> = service
+            .map(|s| (SERVICE_NAME_LABEL, s))
+            .into_iter()
+            .collect();
+        EndpointSlice {
+            metadata: meta(ns, name, &labels),
+            address_type: "IPv4".into(),
+            ports: Some(vec![EndpointPort {
+                name: Some("http".into()),
+                port: Some(8080),
+                ..EndpointPort::default()
+            }]),
+            endpoints: Some(endpoints),
+        }
+    }
+
+    fn pod(ns: &str, name: String, generation: usize) -> Pod {
+        Pod {
+            metadata: meta(ns, name, &[("generation", generation.to_string())]),
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: PROXY_CONTAINER.into(),
+                    ..Container::default()
+                }],
+                service_account_name: Some("app".into()),
+                ..PodSpec::default()
+            }),
+            ..Pod::default()
+        }
+    }
+
+    /// What the run loop does with one slice event: the services it
+    /// touches, with the endpoints each has now.
+    fn on_slices(
+        world: &mut World,
+        relist: &mut Option<HashMap<(String, String), EndpointSlice>>,
+        e: Event<EndpointSlice>,
+    ) -> BTreeMap<ServiceKey, usize> {
+        let mut touched = Vec::new();
+        apply(&mut world.slices, relist, e, &mut touched);
+        world
+            .slices_changed(&touched)
+            .into_iter()
+            .map(|k| {
+                let n = world
+                    .state(&k, "cluster.local")
+                    .map_or(0, |s| s.endpoints.len());
+                (k, n)
+            })
+            .collect()
+    }
+
+    /// A slice of the proptest: its name, its service, and its endpoints'
+    /// targets (pod, the reference's namespace, whether it is a Pod).
+    type SliceSpec = (usize, Option<usize>, Vec<(usize, Option<bool>, bool)>);
+
+    fn build(spec: &SliceSpec) -> EndpointSlice {
+        let (name, service, targets) = spec;
+        let endpoints = targets
+            .iter()
+            .enumerate()
+            .map(|(i, (pod, other_ns, is_pod))| {
+                let ns = other_ns.map(|other| if other { "b" } else { "a" });
+                let kind = if *is_pod { "Pod" } else { "Node" };
+                endpoint(
+                    name * 16 + i,
+                    i % 2 == 0,
+                    Some((kind, ns, format!("p{pod}"))),
+                )
+            })
+            .collect();
+        slice(
+            "a",
+            format!("s{name}"),
+            service.map(|s| format!("svc{s}")),
+            endpoints,
+        )
+    }
+
+    #[derive(Clone, Debug)]
+    enum SliceEvent {
+        Apply(SliceSpec),
+        Delete(usize),
+        Relist(Vec<SliceSpec>),
+    }
+
+    fn slice_spec() -> impl Strategy<Value = SliceSpec> {
+        (
+            0usize..6,
+            proptest::option::of(0usize..4),
+            proptest::collection::vec(
+                (
+                    0usize..5,
+                    proptest::option::of(any::<bool>()),
+                    any::<bool>(),
+                ),
+                0..4,
+            ),
+        )
+    }
+
+    fn slice_event() -> impl Strategy<Value = SliceEvent> {
+        prop_oneof![
+            4 => slice_spec().prop_map(SliceEvent::Apply),
+            2 => (0usize..6).prop_map(SliceEvent::Delete),
+            1 => proptest::collection::vec(slice_spec(), 0..5).prop_map(SliceEvent::Relist),
+        ]
+    }
+
+    /// The services whose slices name the pod `(ns, name)`, found by
+    /// looking at every slice as `state` resolves a reference.
+    fn services_of_pod_by_scan(world: &World, ns: &str, name: &str) -> BTreeSet<ServiceKey> {
+        world
+            .slices
+            .values()
+            .filter(|s| {
+                let slice_ns = s.namespace().unwrap_or_default();
+                s.endpoints
+                    .iter()
+                    .flatten()
+                    .filter_map(|e| e.target_ref.as_ref())
+                    .any(|r| {
+                        r.kind.as_deref() == Some("Pod")
+                            && r.name.as_deref() == Some(name)
+                            && r.namespace.as_deref().unwrap_or(&slice_ns) == ns
+                    })
+            })
+            .filter_map(slice_service)
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        /// Whatever the order of applies, deletes and relists, the indexes
+        /// answer what a scan of every slice answers: each service's
+        /// endpoints, each pod's services; and an event names every
+        /// service a touched slice belonged to, before it or after.
+        #[test]
+        fn the_slice_indexes_answer_as_a_scan_does(events in proptest::collection::vec(slice_event(), 1..20)) {
+            let mut world = World::default();
+            for s in 0..4 {
+                let svc = service("a", format!("svc{s}"));
+                world.services.insert(key_of(&svc), svc);
+            }
+            let mut relist = None;
+            for event in events {
+                let before: BTreeMap<(String, String), Option<ServiceKey>> = world
+                    .slices
+                    .iter()
+                    .map(|(k, s)| (k.clone(), slice_service(s)))
+                    .collect();
+                let (touched_keys, affected): (Vec<(String, String)>, _) = match event {
+                    SliceEvent::Apply(spec) => {
+                        let s = build(&spec);
+                        (vec![key_of(&s)], on_slices(&mut world, &mut relist, Event::Apply(s)))
+                    }
+                    SliceEvent::Delete(name) => {
+                        let key = ("a".to_string(), format!("s{name}"));
+                        match world.slices.get(&key).cloned() {
+                            Some(s) => (vec![key], on_slices(&mut world, &mut relist, Event::Delete(s))),
+                            None => continue,
+                        }
+                    }
+                    SliceEvent::Relist(specs) => {
+                        on_slices(&mut world, &mut relist, Event::Init);
+                        for spec in &specs {
+                            on_slices(&mut world, &mut relist, Event::InitApply(build(spec)));
+                        }
+                        let keys = before.keys().cloned().chain(specs.iter().map(|s| key_of(&build(s)))).collect();
+                        (keys, on_slices(&mut world, &mut relist, Event::InitDone))
+                    }
+                };
+                for key in &touched_keys {
+                    let was = before.get(key).cloned().flatten();
+                    let now = world.slices.get(key).and_then(slice_service);
+                    for service in was.iter().chain(now.iter()) {
+                        prop_assert!(affected.contains_key(service), "{service} not named after touching {key:?}");
+                    }
+                }
+                for s in 0..4 {
+                    let key = ServiceKey::new(format!("svc{s}"), "a".to_string());
+                    let by_scan: usize = world
+                        .slices
+                        .values()
+                        .filter(|sl| slice_service(sl).as_ref() == Some(&key))
+                        .map(|sl| sl.endpoints.iter().flatten().count())
+                        .sum();
+                    let indexed = world.state(&key, "cluster.local").map_or(0, |st| st.endpoints.len());
+                    prop_assert_eq!(indexed, by_scan, "endpoints of {}", key);
+                }
+                for ns in ["a", "b"] {
+                    for p in 0..5 {
+                        let name = format!("p{p}");
+                        prop_assert_eq!(
+                            world.services_of_pod(ns, &name),
+                            services_of_pod_by_scan(&world, ns, &name),
+                            "services of pod {}/{}", ns, name
+                        );
+                    }
+                }
+                prop_assert_eq!(
+                    world.slice_refs.keys().collect::<BTreeSet<_>>(),
+                    world.slices.keys().collect::<BTreeSet<_>>()
+                );
+            }
+        }
+    }
+
+    /// An HTTPRoute in `ns` attached to service `s`, sending to it.
+    fn http_route(ns: &str, s: usize) -> DynamicObject {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+            "metadata": {"name": format!("route-{s}"), "namespace": ns},
+            "spec": {
+                "parentRefs": [{"group": "", "kind": "Service", "name": format!("svc-{s}"), "port": 80}],
+                "rules": [{"backendRefs": [{"group": "", "kind": "Service", "name": format!("svc-{s}"), "port": 80}]}],
+            },
+        }))
+        .expect("an HTTPRoute")
+    }
+
+    /// What a large cluster costs the registry: a full list of its
+    /// EndpointSlices, and single EndpointSlice and Pod changes. A
+    /// measurement, run by hand (docs/benchmarks.md): `cargo test
+    /// --release -p tether-control --lib -- --ignored --nocapture
+    /// a_large_cluster`.
+    #[test]
+    #[ignore]
+    fn a_large_cluster() {
+        let (services, slices, per_slice) = (5_000, 2, 10);
+        let pod_name = |s: usize, k: usize, e: usize| format!("svc-{s}-{k}-{e}");
+        let big_slice = |s: usize, k: usize, ready: bool| {
+            let endpoints = (0..per_slice)
+                .map(|e| {
+                    let target = ("Pod", Some("big"), pod_name(s, k, e));
+                    endpoint((s * 64 + k) * per_slice + e, ready || e > 0, Some(target))
+                })
+                .collect();
+            slice(
+                "big",
+                format!("svc-{s}-{k}"),
+                Some(format!("svc-{s}")),
+                endpoints,
+            )
+        };
+        let mut world = World::default();
+        for s in 0..services {
+            let svc = service("big", format!("svc-{s}"));
+            world.services.insert(key_of(&svc), svc);
+            for k in 0..slices {
+                for e in 0..per_slice {
+                    let p = pod("big", pod_name(s, k, e), 0);
+                    world.pods.insert(key_of(&p), p);
+                }
+            }
+        }
+        // One HTTPRoute per service, as a cluster that splits traffic with
+        // the Gateway API has.
+        let routes: Vec<DynamicObject> = (0..services).map(|s| http_route("big", s)).collect();
+        world.http_routes = routes.iter().map(|o| (key_of(o), o.clone())).collect();
+        let started = Instant::now();
+        let metrics = ControlMetrics::default();
+        let with_routes = world.update_routes(RouteKind::Http, &routes, &metrics);
+        let routes_time = started.elapsed();
+        assert_eq!(with_routes.len(), services);
+        let mut relist = None;
+        let started = Instant::now();
+        on_slices(&mut world, &mut relist, Event::Init);
+        for s in 0..services {
+            for k in 0..slices {
+                on_slices(
+                    &mut world,
+                    &mut relist,
+                    Event::InitApply(big_slice(s, k, true)),
+                );
+            }
+        }
+        let listed = on_slices(&mut world, &mut relist, Event::InitDone);
+        let list_time = started.elapsed();
+        assert_eq!(
+            listed.values().sum::<usize>(),
+            services * slices * per_slice
+        );
+        for s in [0, services / 2, services - 1] {
+            let key = ServiceKey::new(format!("svc-{s}"), "big".to_string());
+            let state = world.state(&key, "cluster.local").expect("a service");
+            assert_eq!(state.routes.len(), 1, "{key}");
+        }
+
+        let changes = 200;
+        let started = Instant::now();
+        for i in 0..changes {
+            let s = i * 7 % services;
+            let affected = on_slices(
+                &mut world,
+                &mut relist,
+                Event::Apply(big_slice(s, 0, i % 2 == 0)),
+            );
+            assert_eq!(
+                affected.into_values().collect::<Vec<_>>(),
+                [slices * per_slice]
+            );
+        }
+        let per_slice_change = started.elapsed() / changes as u32;
+
+        let started = Instant::now();
+        for i in 0..changes {
+            let s = i * 11 % services;
+            let p = pod("big", pod_name(s, 1, 3), i + 1);
+            let (ns, name) = key_of(&p);
+            world.pods.insert((ns.clone(), name.clone()), p);
+            let affected = world.services_of_pod(&ns, &name);
+            assert_eq!(affected.len(), 1);
+            for k in &affected {
+                assert!(world.state(k, "cluster.local").is_some());
+            }
+        }
+        let per_pod_change = started.elapsed() / changes as u32;
+        eprintln!(
+            "{services} services, {} slices, {} endpoints, {services} HTTPRoutes: the routes taken up \
+             {routes_time:?}; a full list of the slices {list_time:?}; a slice change \
+             {per_slice_change:?}; a pod change {per_pod_change:?}",
+            services * slices,
+            services * slices * per_slice
+        );
     }
 }
