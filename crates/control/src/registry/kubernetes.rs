@@ -1370,5 +1370,36 @@ mod tests {
             services * slices,
             services * slices * per_slice
         );
+
+        // One service of 100,000 endpoints in 1,000 slices: a change to one
+        // slice still rebuilds the service's whole endpoint list.
+        let (huge, huge_slices) = (services, 1_000);
+        let svc = service("big", format!("svc-{huge}"));
+        world.services.insert(key_of(&svc), svc);
+        let huge_slice = |k: usize, ready: bool| {
+            let endpoints = (0..100)
+                .map(|e| endpoint(1 << 22 | k * 100 + e, ready || e > 0, None))
+                .collect();
+            slice(
+                "big",
+                format!("huge-{k}"),
+                Some(format!("svc-{huge}")),
+                endpoints,
+            )
+        };
+        for k in 0..huge_slices {
+            on_slices(&mut world, &mut relist, Event::Apply(huge_slice(k, true)));
+        }
+        let changes = 20;
+        let started = Instant::now();
+        for i in 0..changes {
+            let affected = on_slices(&mut world, &mut relist, Event::Apply(huge_slice(i, false)));
+            assert_eq!(affected.into_values().sum::<usize>(), huge_slices * 100);
+        }
+        eprintln!(
+            "a service of {} endpoints in {huge_slices} slices: a slice change {:?}",
+            huge_slices * 100,
+            started.elapsed() / changes as u32
+        );
     }
 }
