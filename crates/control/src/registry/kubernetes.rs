@@ -1487,20 +1487,21 @@ mod tests {
         let with_routes = world.update_routes(RouteKind::Http, &routes, &metrics);
         let routes_time = started.elapsed();
         assert_eq!(with_routes.len(), services);
-        let mut relist = None;
-        let started = Instant::now();
-        on_slices(&mut world, &mut relist, Event::Init);
-        for s in 0..services {
-            for k in 0..slices {
-                on_slices(
-                    &mut world,
-                    &mut relist,
-                    Event::InitApply(big_slice(s, k, true)),
-                );
+        // Every slice listed, as a watch lists them at start-up and after a
+        // 410 Gone: the services named, and the time it took.
+        let full_list = |world: &mut World, relist: &mut Option<_>| {
+            let started = Instant::now();
+            on_slices(world, relist, Event::Init);
+            for s in 0..services {
+                for k in 0..slices {
+                    on_slices(world, relist, Event::InitApply(big_slice(s, k, true)));
+                }
             }
-        }
-        let listed = on_slices(&mut world, &mut relist, Event::InitDone);
-        let list_time = started.elapsed();
+            let listed = on_slices(world, relist, Event::InitDone);
+            (listed, started.elapsed())
+        };
+        let mut relist = None;
+        let (listed, list_time) = full_list(&mut world, &mut relist);
         assert_eq!(
             listed.values().sum::<usize>(),
             services * slices * per_slice
@@ -1543,19 +1544,7 @@ mod tests {
 
         // The list again over the full world, as after a watch's 410 Gone:
         // every slice is taken out of the indexes and put back.
-        let started = Instant::now();
-        on_slices(&mut world, &mut relist, Event::Init);
-        for s in 0..services {
-            for k in 0..slices {
-                on_slices(
-                    &mut world,
-                    &mut relist,
-                    Event::InitApply(big_slice(s, k, true)),
-                );
-            }
-        }
-        let relisted = on_slices(&mut world, &mut relist, Event::InitDone);
-        let relist_time = started.elapsed();
+        let (relisted, relist_time) = full_list(&mut world, &mut relist);
         assert_eq!(relisted.len(), services);
         let rss = std::fs::read_to_string("/proc/self/status")
             .ok()
