@@ -191,10 +191,10 @@ struct World {
     /// Derived from `routes` and `slices` (kept by [`World::insert_route`],
     /// [`World::remove_route`] and [`World::reindex_slice`]), so that a
     /// change costs what it touches rather than a scan of the cluster's
-    /// routes and slices (at 5,000 services and as many routes a full list of the slices took
-    /// 26 s, and every Pod change 11 ms): each service's routes, each
-    /// service's slices, each pod's slices, and what each slice
-    /// contributed to those.
+    /// routes and slices (at 5,000 services with a route each, a full list
+    /// of the slices took 26 s, and every Pod change 11 ms): each
+    /// service's routes, each service's slices, each pod's slices, and
+    /// what each slice contributed to those.
     routes_of_service: HashMap<ServiceKey, BTreeSet<RouteKey>>,
     slices_of_service: HashMap<ServiceKey, BTreeSet<(String, String)>>,
     /// A pod is in one slice or a few: a short list, not a tree, whose
