@@ -149,8 +149,9 @@ pub struct Sched {
     /// preemption).
     pub timeslices: u64,
     /// Times a thread was taken off a CPU while it could still run
-    /// (`nonvoluntary_ctxt_switches`): preempted, mostly by a process it had
-    /// just woken on the same CPU. Each costs a switch out and one back.
+    /// (`nonvoluntary_ctxt_switches`): preempted, for instance by a process
+    /// it had just woken on the same CPU. Each costs a switch out and one
+    /// back.
     pub preempted: u64,
 }
 
