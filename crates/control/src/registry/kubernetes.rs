@@ -347,7 +347,7 @@ fn slim_pod(pod: &mut Pod) {
     pod.status = None;
     if let Some(spec) = pod.spec.as_mut() {
         // Whether the pod is meshed is whether one is the proxy.
-        let names = |containers: &[Container]| -> Vec<Container> {
+        let proxy_only = |containers: &[Container]| -> Vec<Container> {
             containers
                 .iter()
                 .filter(|c| c.name == PROXY_CONTAINER)
@@ -358,8 +358,8 @@ fn slim_pod(pod: &mut Pod) {
                 .collect()
         };
         *spec = PodSpec {
-            containers: names(&spec.containers),
-            init_containers: spec.init_containers.as_deref().map(names),
+            containers: proxy_only(&spec.containers),
+            init_containers: spec.init_containers.as_deref().map(proxy_only),
             service_account_name: spec.service_account_name.take(),
             ..PodSpec::default()
         };
@@ -405,7 +405,8 @@ impl World {
         if ports.is_empty() {
             return None;
         }
-        let mut routes: Vec<Route> = self
+        // In key order (kind, namespace, name), as the index's set holds them.
+        let routes: Vec<Route> = self
             .routes_of_service
             .get(key)
             .into_iter()
@@ -413,7 +414,6 @@ impl World {
             .filter_map(|k| self.routes.get(k))
             .cloned()
             .collect();
-        routes.sort_by_key(Route::key);
         let mut endpoints = Vec::new();
         for slice in self
             .slices_of_service
@@ -534,19 +534,15 @@ impl World {
                 RouteKind::Grpc => &self.grpc_routes,
             };
             let current = objects.get(&(namespace, name)).map(|o| route_of(kind, o));
-            let old = self.remove_route(&key);
-            affected.extend(old.iter().flat_map(Route::parents));
+            let old = self.remove_route(&key, &mut affected);
             match current {
                 None | Some(Ok(None)) => {}
-                Some(Ok(Some(route))) => {
-                    affected.extend(route.parents());
-                    self.insert_route(key, route);
-                }
+                Some(Ok(Some(route))) => self.insert_route(key, route, &mut affected),
                 Some(Err(e)) => {
                     metrics.registry_reload_errors.inc();
                     tracing::error!("{key} rejected: {e}; its last valid version stays in force");
                     if let Some(old) = old {
-                        self.insert_route(key, old);
+                        self.insert_route(key, old, &mut affected);
                     }
                 }
             }
@@ -554,20 +550,29 @@ impl World {
         affected
     }
 
-    fn insert_route(&mut self, key: RouteKey, route: Route) {
+    /// Takes up `route`, indexed under its parents, which join `affected`.
+    fn insert_route(&mut self, key: RouteKey, route: Route, affected: &mut BTreeSet<ServiceKey>) {
         for parent in route.parents() {
             self.routes_of_service
-                .entry(parent)
+                .entry(parent.clone())
                 .or_default()
                 .insert(key.clone());
+            affected.insert(parent);
         }
         self.routes.insert(key, route);
     }
 
-    fn remove_route(&mut self, key: &RouteKey) -> Option<Route> {
+    /// Takes the route `key` out, and out of its parents' index, which join
+    /// `affected`.
+    fn remove_route(
+        &mut self,
+        key: &RouteKey,
+        affected: &mut BTreeSet<ServiceKey>,
+    ) -> Option<Route> {
         let route = self.routes.remove(key)?;
         for parent in route.parents() {
             remove_from(&mut self.routes_of_service, &parent, key);
+            affected.insert(parent);
         }
         Some(route)
     }
@@ -1584,18 +1589,8 @@ mod tests {
     /// --nocapture --exact registry::kubernetes::tests::pods_as_sent` (and
     /// `pods_as_kept`).
     fn pods_held(slim: bool) {
-        let rss = || -> u64 {
-            std::fs::read_to_string("/proc/self/status")
-                .ok()
-                .and_then(|st| {
-                    st.lines()
-                        .find_map(|l| l.strip_prefix("VmRSS:"))
-                        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
-                })
-                .unwrap_or(0)
-        };
         let n = 20_000;
-        let before = rss();
+        let before = resident_kib();
         let mut pods = HashMap::new();
         for i in 0..n {
             let mut pod = pod_as_sent("big", &format!("web-{i}"));
@@ -1604,7 +1599,7 @@ mod tests {
             }
             pods.insert(key_of(&pod), pod);
         }
-        let grown = rss().saturating_sub(before);
+        let grown = resident_kib().saturating_sub(before);
         assert_eq!(pods.len(), n);
         eprintln!(
             "{n} Pods held {}: {} MiB more resident, {:.1} KiB a Pod",
@@ -1612,6 +1607,18 @@ mod tests {
             grown / 1024,
             grown as f64 / n as f64
         );
+    }
+
+    /// This process's resident memory (`VmRSS`), in KiB; 0 if unread.
+    fn resident_kib() -> u64 {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|st| {
+                st.lines()
+                    .find_map(|l| l.strip_prefix("VmRSS:"))
+                    .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+            })
+            .unwrap_or(0)
     }
 
     #[test]
@@ -1742,18 +1749,12 @@ mod tests {
         // every slice is taken out of the indexes and put back.
         let (relisted, relist_time) = full_list(&mut world, &mut relist);
         assert_eq!(relisted.len(), services);
-        let rss = std::fs::read_to_string("/proc/self/status")
-            .ok()
-            .and_then(|st| {
-                st.lines()
-                    .find(|l| l.starts_with("VmRSS:"))
-                    .map(str::to_owned)
-            })
-            .unwrap_or_default();
+        let rss_mib = resident_kib() / 1024;
         eprintln!(
             "{services} services, {} slices, {} endpoints, {services} HTTPRoutes: the routes taken up \
              {routes_time:?}; a full list of the slices {list_time:?}, again over them {relist_time:?}; \
-             a slice change {per_slice_change:?}; a pod change {per_pod_change:?}; this process's {rss}",
+             a slice change {per_slice_change:?}; a pod change {per_pod_change:?}; this process resident: \
+             {rss_mib} MiB",
             services * slices,
             services * slices * per_slice
         );
