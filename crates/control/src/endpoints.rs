@@ -36,16 +36,30 @@ impl EndpointList {
     /// Parts whose endpoints never serve one port at one address twice,
     /// which the caller guarantees (the file registry's merge).
     pub(crate) fn distinct_parts(parts: Vec<Arc<[EndpointSpec]>>) -> Self {
+        Self::parts(parts, true)
+    }
+
+    /// Parts in order; `distinct` when no two endpoints of all of them
+    /// serve one port at one address (which the caller knows: the file
+    /// registry's merge, the Kubernetes registry's count of listings).
+    pub(crate) fn parts(parts: Vec<Arc<[EndpointSpec]>>, distinct: bool) -> Self {
         let len = parts.iter().map(|p| p.len()).sum();
         Self {
             parts,
             len,
-            distinct: true,
+            distinct,
         }
     }
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Whether no two endpoints are known to serve one port at one
+    /// address (a list that does not know says no).
+    #[cfg(test)]
+    pub(crate) fn is_distinct(&self) -> bool {
+        self.distinct
     }
 
     pub fn is_empty(&self) -> bool {
@@ -249,7 +263,6 @@ impl EndpointSet {
     pub fn len(&self) -> usize {
         self.len
     }
-
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
