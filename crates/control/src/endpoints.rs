@@ -99,7 +99,7 @@ impl EndpointList {
         let mut changes = EndpointChanges {
             removed: Vec::new(),
             added: Vec::new(),
-            names_touched: gone.values().any(|ep| ep.name.is_some()),
+            names: gone.values().filter_map(|ep| ep.name.clone()).collect(),
         };
         for ep in self
             .parts
@@ -107,7 +107,11 @@ impl EndpointList {
             .filter(|p| !old_parts.contains(&ptr(p)))
             .flat_map(|p| p.iter())
         {
-            changes.names_touched |= ep.name.is_some();
+            if let Some(name) = &ep.name {
+                if !changes.names.contains(name) {
+                    changes.names.insert(name.clone());
+                }
+            }
             match gone.remove(&(ep.address, ep.port)) {
                 Some(before) if before == ep => {}
                 Some(before) => {
@@ -127,9 +131,10 @@ impl EndpointList {
 pub(crate) struct EndpointChanges {
     pub removed: Vec<EndpointSpec>,
     pub added: Vec<EndpointSpec>,
-    /// Whether any part that changed lists a named endpoint: if none does,
-    /// the service's named workloads are what they were.
-    pub names_touched: bool,
+    /// The names listed by the parts that changed, old and new (an
+    /// endpoint that moved unchanged included: it may move its name's
+    /// first listing). Only these names' workloads can have changed.
+    pub names: std::collections::HashSet<String>,
 }
 
 impl From<Vec<EndpointSpec>> for EndpointList {
@@ -695,7 +700,7 @@ mod tests {
         };
         assert_eq!(addrs(&changes.removed), vec![addr(100), addr(150)]);
         assert_eq!(addrs(&changes.added), vec![addr(150), addr(200)]);
-        assert!(!changes.names_touched);
+        assert!(changes.names.is_empty());
         assert_eq!(new.len(), 200);
         assert_eq!(new[100].address, addr(101));
         // Shared parts out of order, or a list that may repeat addresses:

@@ -1362,20 +1362,27 @@ mod tests {
     }
 
     /// Service `name`'s ports, by variant: `http` 80; `http` 81; `http`
-    /// 80 and `admin` 9000; a UDP port only (no service for the index).
+    /// 80 and `admin` 9000; a UDP port only (no service for the index);
+    /// 80 unnamed; `admin` 80; `http` 80 over TCP and 81 over UDP.
     fn service_with_ports(ns: &str, name: String, variant: usize) -> Service {
-        let port = |name: &str, port: i32, protocol: &str| ServicePort {
-            name: Some(name.into()),
+        let port = |name: Option<&str>, port: i32, protocol: &str| ServicePort {
+            name: name.map(Into::into),
             port,
             protocol: Some(protocol.into()),
             ..ServicePort::default()
         };
         let mut svc = service(ns, name);
         svc.spec.as_mut().expect("a spec").ports = Some(match variant {
-            0 => vec![port("http", 80, "TCP")],
-            1 => vec![port("http", 81, "TCP")],
-            2 => vec![port("http", 80, "TCP"), port("admin", 9000, "TCP")],
-            _ => vec![port("dns", 53, "UDP")],
+            0 => vec![port(Some("http"), 80, "TCP")],
+            1 => vec![port(Some("http"), 81, "TCP")],
+            2 => vec![
+                port(Some("http"), 80, "TCP"),
+                port(Some("admin"), 9000, "TCP"),
+            ],
+            3 => vec![port(Some("dns"), 53, "UDP")],
+            4 => vec![port(None, 80, "TCP")],
+            5 => vec![port(Some("admin"), 80, "TCP")],
+            _ => vec![port(Some("http"), 80, "TCP"), port(Some("http"), 81, "UDP")],
         });
         svc
     }
@@ -1404,7 +1411,7 @@ mod tests {
             1 => (list(), proptest::option::of(list())).prop_map(|(a, b)| SliceEvent::Relist(a, b)),
             2 => (0usize..5, any::<bool>(), proptest::option::of(0usize..3))
                 .prop_map(|(p, b, g)| SliceEvent::Pod(p, b, g)),
-            1 => (0usize..4, any::<bool>(), 0usize..4).prop_map(|(s, b, v)| SliceEvent::Ports(s, b, v)),
+            1 => (0usize..4, any::<bool>(), 0usize..7).prop_map(|(s, b, v)| SliceEvent::Ports(s, b, v)),
             1 => Just(SliceEvent::RelistHeld),
         ]
     }
@@ -1466,6 +1473,21 @@ mod tests {
         Ok(())
     }
 
+    /// The service's state computed from scratch: a world of the same
+    /// objects with nothing built yet.
+    fn fresh_state(world: &World, key: &ServiceKey) -> Option<ServiceState> {
+        let mut fresh = World {
+            services: world.services.clone(),
+            pods: world.pods.clone(),
+            ..World::default()
+        };
+        for (k, slice) in &world.slices {
+            fresh.slices.insert(k.clone(), slice.clone());
+            fresh.reindex_slice(k.clone());
+        }
+        fresh.state(key, "cluster.local")
+    }
+
     /// The indexed answers against a scan of every slice, and the indexes
     /// against the slices they are derived from.
     fn check_slices(world: &mut World) -> Result<(), TestCaseError> {
@@ -1485,16 +1507,7 @@ mod tests {
             prop_assert_eq!(indexed, by_scan, "endpoints of {}", key);
             // Every endpoint as built from scratch, in order; and the list
             // says it is distinct exactly when no endpoint is listed twice.
-            let mut fresh = World {
-                services: world.services.clone(),
-                pods: world.pods.clone(),
-                ..World::default()
-            };
-            for (k, slice) in &world.slices {
-                fresh.slices.insert(k.clone(), slice.clone());
-                fresh.reindex_slice(k.clone());
-            }
-            let fresh = fresh.state(&key, "cluster.local");
+            let fresh = fresh_state(world, &key);
             prop_assert_eq!(&state, &fresh, "the state of {}", key);
             if let Some(state) = &state {
                 let listed: Vec<_> = state
@@ -2126,9 +2139,14 @@ mod tests {
         let (huge, huge_slices) = (services, 1_000);
         let svc = service("big", format!("svc-{huge}"));
         world.services.insert(key_of(&svc), svc);
+        // Each endpoint names its pod, as the EndpointSlice controller's
+        // do (the pods themselves are not in this world: names, no labels).
         let huge_slice = |k: usize, ready: bool| {
             let endpoints = (0..100)
-                .map(|e| endpoint((1 << 22) | (k * 100 + e), ready || e > 0, None))
+                .map(|e| {
+                    let target = ("Pod", None, format!("huge-{k}-{e}"));
+                    endpoint((1 << 22) | (k * 100 + e), ready || e > 0, Some(target))
+                })
                 .collect();
             slice(
                 "big",
@@ -2166,5 +2184,262 @@ mod tests {
              in the registry, {with_index:?} with the index and a subscriber",
             huge_slices * 100,
         );
+    }
+
+    /// The registry and the index together, as the run loop drives them
+    /// (written as a hostile review of the per-slice parts).
+    mod run_loop {
+        use super::*;
+
+        const TD: &str = "cluster.local";
+
+        // A slice: ns, name, service label, port config, endpoints (pod, ref ns, is_pod, two addresses, ready)
+        type Ep = (usize, Option<bool>, bool, bool, bool);
+        type SSpec = (bool, usize, Option<usize>, usize, Vec<Ep>);
+
+        #[derive(Clone, Debug)]
+        enum Ev {
+            SvcApply(usize, bool, usize),
+            SvcDelete(usize, bool, usize),
+            SvcInit,
+            SvcInitApply(usize, bool, usize),
+            SvcInitDone,
+            SlApply(SSpec),
+            SlDelete(SSpec, bool),
+            SlInit,
+            SlInitApply(SSpec),
+            SlInitDone,
+            PodApply(usize, bool, usize),
+            PodDelete(usize, bool, usize),
+            PodInit,
+            PodInitApply(usize, bool, usize),
+            PodInitDone,
+        }
+
+        fn svc_obj(s: usize, b: bool, v: usize) -> Service {
+            service_with_ports(ns(b), format!("svc{s}"), v)
+        }
+
+        fn pod_obj(p: usize, b: bool, g: usize) -> Pod {
+            let mut pd = pod(ns(b), format!("p{p}"), g);
+            let spec = pd.spec.as_mut().unwrap();
+            spec.service_account_name = Some(format!("sa{}", g % 2));
+            if g % 3 == 2 {
+                spec.containers[0].name = "app".into();
+            }
+            pd
+        }
+
+        fn sl_obj(spec: &SSpec) -> EndpointSlice {
+            let (b, name, svc, ports, eps) = spec;
+            let endpoints = eps
+                .iter()
+                .map(|(p, ref_ns, is_pod, two, ready)| {
+                    let kind = if *is_pod { "Pod" } else { "Node" };
+                    let n = usize::from(*b) * 8 + p;
+                    let mut e = endpoint(n, *ready, Some((kind, ref_ns.map(ns), format!("p{p}"))));
+                    if *two {
+                        e.addresses.push(format!("10.9.9.{}", n));
+                    }
+                    e
+                })
+                .collect();
+            let mut sl = slice(
+                ns(*b),
+                format!("s{name}"),
+                svc.map(|s| format!("svc{s}")),
+                endpoints,
+            );
+            let port = |name: Option<&str>, port: i32| EndpointPort {
+                name: name.map(Into::into),
+                port: Some(port),
+                ..EndpointPort::default()
+            };
+            sl.ports = Some(match ports {
+                0 => vec![port(Some("http"), 8080)],
+                1 => vec![port(None, 8080)],
+                2 => vec![port(Some("http"), 8080), port(Some("admin"), 9090)],
+                3 => vec![port(Some("other"), 7070)],
+                _ => vec![port(Some("http"), 8080), port(Some("x"), 8080)],
+            });
+            sl
+        }
+
+        fn sspec() -> impl Strategy<Value = SSpec> {
+            (
+                any::<bool>(),
+                0usize..4,
+                proptest::option::of(0usize..3),
+                0usize..5,
+                proptest::collection::vec(
+                    (
+                        0usize..5,
+                        proptest::option::of(any::<bool>()),
+                        any::<bool>(),
+                        any::<bool>(),
+                        any::<bool>(),
+                    ),
+                    0..4,
+                ),
+            )
+        }
+
+        fn ev() -> impl Strategy<Value = Ev> {
+            let svc = || (0usize..3, any::<bool>(), 0usize..7);
+            let pd = || (0usize..5, any::<bool>(), 0usize..4);
+            prop_oneof![
+                2 => svc().prop_map(|(s, b, v)| Ev::SvcApply(s, b, v)),
+                1 => svc().prop_map(|(s, b, v)| Ev::SvcDelete(s, b, v)),
+                1 => Just(Ev::SvcInit),
+                2 => svc().prop_map(|(s, b, v)| Ev::SvcInitApply(s, b, v)),
+                1 => Just(Ev::SvcInitDone),
+                4 => sspec().prop_map(Ev::SlApply),
+                2 => (sspec(), any::<bool>()).prop_map(|(s, o)| Ev::SlDelete(s, o)),
+                1 => Just(Ev::SlInit),
+                2 => sspec().prop_map(Ev::SlInitApply),
+                1 => Just(Ev::SlInitDone),
+                3 => pd().prop_map(|(p, b, g)| Ev::PodApply(p, b, g)),
+                1 => pd().prop_map(|(p, b, g)| Ev::PodDelete(p, b, g)),
+                1 => Just(Ev::PodInit),
+                2 => pd().prop_map(|(p, b, g)| Ev::PodInitApply(p, b, g)),
+                1 => Just(Ev::PodInitDone),
+            ]
+        }
+
+        fn keys() -> Vec<ServiceKey> {
+            (0..3)
+                .flat_map(|s| ["a", "b"].map(|n| ServiceKey::new(format!("svc{s}"), n.to_string())))
+                .collect()
+        }
+
+        /// Deletes send the stored object or another version (`other`).
+        fn deleted<K: Clone + ResourceExt>(
+            map: &HashMap<(String, String), K>,
+            sent: K,
+            other: bool,
+        ) -> Option<K> {
+            let stored = map.get(&key_of(&sent)).cloned()?;
+            Some(if other { sent } else { stored })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+            /// The run loop's steps (each Service, EndpointSlice and Pod
+            /// event applied, then each affected service's state given to
+            /// the index), in any order, lists interleaved and restarted:
+            /// after every event the index holds and publishes what a
+            /// fresh computation from the same objects gives (services,
+            /// slots, workloads' labels), a list said to be distinct
+            /// repeats nothing, and nothing is kept for what is gone.
+            #[test]
+            fn the_run_loop_publishes_what_a_fresh_computation_gives(
+                events in proptest::collection::vec(ev(), 1..40),
+            ) {
+                let mut world = World::default();
+                let index = Index::new(ControlMetrics::default());
+                let mut subs = Vec::new();
+                for k in keys() {
+                    for port in [80u16, 81, 9000] {
+                        let slot = crate::index::SlotKey::Service(k.clone());
+                        subs.push((slot.clone(), port, index.subscribe(&slot, port)));
+                    }
+                }
+                let mut wsubs = Vec::new();
+                for n in ["a", "b"] { for p in 0..5 {
+                    let wk = tether_core::policy::WorkloadKey { namespace: n.into(), name: format!("p{p}") };
+                    wsubs.push((wk.clone(), index.watch_workload(&wk)));
+                }}
+                let (mut sv_r, mut sl_r, mut pd_r) = (None, None, None);
+                for e in events {
+                    let mut affected = BTreeSet::new();
+                    match e {
+                        Ev::SvcApply(..) | Ev::SvcDelete(..) | Ev::SvcInit | Ev::SvcInitApply(..) | Ev::SvcInitDone => {
+                            let ev = match e {
+                                Ev::SvcApply(s, b, v) => Event::Apply(svc_obj(s, b, v)),
+                                Ev::SvcDelete(s, b, v) => match deleted(&world.services, svc_obj(s, b, v), v % 2 == 0) { Some(o) => Event::Delete(o), None => continue },
+                                Ev::SvcInit => Event::Init,
+                                Ev::SvcInitApply(s, b, v) => Event::InitApply(svc_obj(s, b, v)),
+                                _ => Event::InitDone,
+                            };
+                            let mut touched = Vec::new();
+                            apply(&mut world.services, &mut sv_r, ev, &mut touched);
+                            affected.extend(touched.into_iter().map(|(ns, name)| ServiceKey::new(name, ns)));
+                        }
+                        Ev::SlApply(..) | Ev::SlDelete(..) | Ev::SlInit | Ev::SlInitApply(..) | Ev::SlInitDone => {
+                            let ev = match e {
+                                Ev::SlApply(s) => Event::Apply(sl_obj(&s)),
+                                Ev::SlDelete(s, o) => match deleted(&world.slices, sl_obj(&s), o) { Some(o) => Event::Delete(o), None => continue },
+                                Ev::SlInit => Event::Init,
+                                Ev::SlInitApply(s) => Event::InitApply(sl_obj(&s)),
+                                _ => Event::InitDone,
+                            };
+                            let mut touched = Vec::new();
+                            apply(&mut world.slices, &mut sl_r, ev, &mut touched);
+                            affected.extend(world.slices_changed(touched));
+                        }
+                        _ => {
+                            let ev = match e {
+                                Ev::PodApply(p, b, g) => Event::Apply(pod_obj(p, b, g)),
+                                Ev::PodDelete(p, b, g) => match deleted(&world.pods, pod_obj(p, b, g), g % 2 == 0) { Some(o) => Event::Delete(o), None => continue },
+                                Ev::PodInit => Event::Init,
+                                Ev::PodInitApply(p, b, g) => Event::InitApply(pod_obj(p, b, g)),
+                                _ => Event::InitDone,
+                            };
+                            let mut touched = Vec::new();
+                            apply(&mut world.pods, &mut pd_r, ev, &mut touched);
+                            affected.extend(world.pods_changed(&touched));
+                        }
+                    }
+                    for k in &affected {
+                        index.set_service(k, world.state(k, TD));
+                    }
+                    // What the index holds, against a fresh computation, for every service.
+                    for k in keys() {
+                        let held = index.service(&k);
+                        let fresh = fresh_state(&world, &k);
+                        prop_assert_eq!(&held, &fresh, "{}", k);
+                        if let Some(held) = &held {
+                            let listed: Vec<_> = held.endpoints.iter().map(|e| (e.address, e.port)).collect();
+                            let set: BTreeSet<_> = listed.iter().collect();
+                            if held.endpoints.is_distinct() {
+                                prop_assert_eq!(set.len(), listed.len(), "distinct but repeated: {:?}", listed);
+                            }
+                        }
+                    }
+                    let fresh_index = Index::new(ControlMetrics::default());
+                    for k in keys() { fresh_index.set_service(&k, fresh_state(&world, &k)); }
+                    for n in ["a", "b"] { for p in 0..5 {
+                        let wk = tether_core::policy::WorkloadKey { namespace: n.into(), name: format!("p{p}") };
+                        prop_assert_eq!(index.workload(&wk), fresh_index.workload(&wk), "workload {:?}", wk);
+                    }}
+                    for (w, rx) in &wsubs {
+                        prop_assert_eq!(&*rx.borrow(), &fresh_index.workload(w), "workload watch {:?}", w);
+                    }
+                    for (slot, port, _) in &subs {
+                        prop_assert!(index.check_slot(slot, *port).1, "slot {:?}:{} disagrees", slot, port);
+                    }
+                    // Memory: nothing kept for what is gone.
+                    for (sk, part) in &world.slice_parts {
+                        prop_assert!(world.slices.contains_key(sk), "part of a gone slice {:?}", sk);
+                        prop_assert!(world.parts_ports.contains_key(&part.service), "part without ports {:?}", sk);
+                    }
+                    for k in world.parts_ports.keys() {
+                        prop_assert!(fresh_state(&world, k).is_some(), "ports kept for gone {}", k);
+                    }
+                    let mut recount: HashMap<ServiceKey, Listings> = HashMap::new();
+                    for part in world.slice_parts.values() {
+                        recount.entry(part.service.clone()).or_default().add(&part.endpoints);
+                    }
+                    for (k, l) in &world.listings {
+                        let r = recount.remove(k).unwrap_or_default();
+                        prop_assert_eq!(&l.count, &r.count, "listings of {}", k);
+                        prop_assert_eq!(l.repeats, r.repeats, "repeats of {}", k);
+                    }
+                    for (k, r) in recount {
+                        prop_assert!(r.count.is_empty(), "listings missing for {}", k);
+                    }
+                }
+            }
+        }
     }
 }
