@@ -205,7 +205,8 @@ struct World {
     slice_refs: HashMap<(String, String), SliceRefs>,
     /// What each slice gives its service's endpoint list, built once per
     /// version of the slice, of the pods it names and of the service's
-    /// ports, and shared with the index: a change to one slice of a
+    /// ports (the trust domain, the other input, is the registry's for
+    /// its life), and shared with the index: a change to one slice of a
     /// service of 100,000 endpoints costs that slice, not the service.
     /// Dropped by [`World::reindex_slice`], [`World::pods_changed`] and
     /// (when the service's ports change) [`World::state`].
@@ -250,6 +251,7 @@ impl Listings {
         for ep in endpoints {
             let key = (ep.address, ep.port);
             let Some(n) = self.count.get_mut(&key) else {
+                debug_assert!(false, "{key:?} removed but never added");
                 continue;
             };
             *n -= 1;
