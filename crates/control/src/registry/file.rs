@@ -865,16 +865,8 @@ impl Registry for FileRegistry {
             if matches!(event.kind, notify::EventKind::Access(_)) && !whole {
                 return;
             }
-            // A rename within the directory also comes as `Both`: its
-            // second path arrived whole, as its `To` event says.
-            let both = matches!(
-                event.kind,
-                notify::EventKind::Modify(notify::event::ModifyKind::Name(
-                    notify::event::RenameMode::Both
-                ))
-            );
             for (i, path) in event.paths.into_iter().enumerate() {
-                let whole = whole || (both && i == 1);
+                let whole = arrived_whole(&event.kind, i);
                 let change = if path.parent() == Some(dir.as_path()) && is_registry_file(&path) {
                     Change::File { path, whole }
                 } else if targets_seen
@@ -1035,6 +1027,19 @@ fn batch_deadline(
         Some(applied) if now < applied + COALESCE_WINDOW => applied + COALESCE_WINDOW,
         _ => now,
     }
+}
+
+/// Whether an event says its `i`th path's change is complete. A rename
+/// within the directory also comes as `Both`, whose second path arrived
+/// whole, as its `To` event says (counted as a file still being written,
+/// it held every batch of renames for [`HOLD`]).
+fn arrived_whole(kind: &notify::EventKind, i: usize) -> bool {
+    use notify::event::{ModifyKind, RenameMode};
+    let both = matches!(
+        kind,
+        notify::EventKind::Modify(ModifyKind::Name(RenameMode::Both))
+    );
+    is_whole(kind) || (both && i == 1)
 }
 
 /// The deadline of a batch opened at `opened` once a change seen at `now`
@@ -1696,6 +1701,15 @@ mod tests {
         assert!(!is_whole(&EventKind::Access(AccessKind::Close(
             AccessMode::Read
         ))));
+        // A rename's `Both` names the file that went (not whole) and the
+        // file that arrived (whole), as `From` and `To` do.
+        let both = EventKind::Modify(ModifyKind::Name(RenameMode::Both));
+        assert!(!arrived_whole(&both, 0));
+        assert!(arrived_whole(&both, 1));
+        let written = EventKind::Modify(ModifyKind::Data(DataChange::Any));
+        assert!(!arrived_whole(&written, 1));
+        let renamed_in = EventKind::Modify(ModifyKind::Name(RenameMode::To));
+        assert!(arrived_whole(&renamed_in, 0));
     }
 
     /// A service in 20 files of 500 endpoints: a change to one file
