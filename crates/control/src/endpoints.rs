@@ -268,6 +268,7 @@ impl EndpointSet {
     pub fn len(&self) -> usize {
         self.len
     }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
