@@ -779,8 +779,9 @@ enum Change {
     /// says the change is complete (renamed into place, closed after
     /// writing), not a write or a removal that may be followed by more.
     File { path: PathBuf, whole: bool },
-    /// A file some registry links resolve to changed.
-    Target(PathBuf),
+    /// A file some registry links resolve to changed; `whole` as for a
+    /// registry file.
+    Target { path: PathBuf, whole: bool },
     /// Something a link may go through changed: compare every file.
     Rescan,
 }
@@ -874,7 +875,7 @@ impl Registry for FileRegistry {
                     .unwrap_or_else(|e| e.into_inner())
                     .contains(&path)
                 {
-                    Change::Target(path)
+                    Change::Target { path, whole }
                 } else if is_link_or_dir(&path) {
                     // `..data` swapped, a directory links go through changed.
                     Change::Rescan
@@ -932,7 +933,7 @@ impl Registry for FileRegistry {
                 Change::File { path, .. } => {
                     batch.insert(path);
                 }
-                Change::Target(target) => {
+                Change::Target { path: target, .. } => {
                     batch.extend(
                         loaded
                             .linked_from
@@ -948,15 +949,17 @@ impl Registry for FileRegistry {
                 change = rx.recv() => {
                     observed_at = std::time::Instant::now();
                     let Some(change) = change else { return Ok(()) };
-                    let whole = matches!(change, Change::File { whole: true, .. });
+                    let opened = tokio::time::Instant::now();
+                    let base = batch_deadline(last_applied, opened);
+                    let mut holds = Holds::default();
+                    holds.note(&change, opened);
                     take(change);
                     // A past deadline still takes what is already queued.
-                    let opened = tokio::time::Instant::now();
-                    let mut deadline = batch_deadline(whole, last_applied, opened);
+                    let mut deadline = holds.deadline(base, opened);
                     while let Ok(Some(change)) = tokio::time::timeout_at(deadline, rx.recv()).await {
-                        let whole = matches!(change, Change::File { whole: true, .. });
-                        deadline = held_deadline(deadline, whole, opened, tokio::time::Instant::now());
+                        holds.note(&change, tokio::time::Instant::now());
                         take(change);
+                        deadline = holds.deadline(base, opened);
                     }
                 }
                 _ = rescan.tick() => full = true,
@@ -1009,20 +1012,16 @@ fn is_whole(kind: &notify::EventKind) -> bool {
     )
 }
 
-/// When to close the batch a change seen at `now` opens. A whole file after
-/// a quiet period (nothing applied in the last window) goes out at once: the
-/// window was the floor of every change's latency. Within a burst the batch
-/// closes a window after the previous one was applied, so a burst is one
-/// batch per window whatever its rate. A file still being written gets a
-/// window from now for the rest of its writes.
+/// When to close the batch a change seen at `now` opens, but for the
+/// files it holds ([`Holds`]). A whole file after a quiet period (nothing
+/// applied in the last window) goes out at once: the window was the floor
+/// of every change's latency. Within a burst the batch closes a window
+/// after the previous one was applied, so a burst is one batch per window
+/// whatever its rate.
 fn batch_deadline(
-    whole: bool,
     last_applied: Option<tokio::time::Instant>,
     now: tokio::time::Instant,
 ) -> tokio::time::Instant {
-    if !whole {
-        return now + HOLD;
-    }
     match last_applied {
         Some(applied) if now < applied + COALESCE_WINDOW => applied + COALESCE_WINDOW,
         _ => now,
@@ -1042,21 +1041,41 @@ fn arrived_whole(kind: &notify::EventKind, i: usize) -> bool {
     is_whole(kind) || (both && i == 1)
 }
 
-/// The deadline of a batch opened at `opened` once a change seen at `now`
-/// joins it: a file written in place or going away holds the batch a
-/// [`HOLD`] from now (so the second half of a replacement that lands
-/// late in a burst is not applied without its first), up to [`HOLD_MAX`]
-/// after the batch opened (so a stream of them cannot hold it forever).
-fn held_deadline(
-    deadline: tokio::time::Instant,
-    whole: bool,
-    opened: tokio::time::Instant,
-    now: tokio::time::Instant,
-) -> tokio::time::Instant {
-    if whole {
-        return deadline;
+/// The files of a batch whose last event left them incomplete — being
+/// written in place, or gone, perhaps to be replaced (`git checkout` and
+/// `install` unlink, then create) — and when that event came. Each holds
+/// the batch a [`HOLD`] after its event, until an event says it is whole
+/// again (closed after writing, renamed in); the batch waits at most
+/// [`HOLD_MAX`] after it opened, so a stream of them cannot hold it
+/// forever.
+#[derive(Default)]
+struct Holds {
+    pending: HashMap<PathBuf, tokio::time::Instant>,
+}
+
+impl Holds {
+    fn note(&mut self, change: &Change, at: tokio::time::Instant) {
+        let (path, whole) = match change {
+            Change::File { path, whole } | Change::Target { path, whole } => (path, *whole),
+            Change::Rescan => return,
+        };
+        if whole {
+            self.pending.remove(path);
+        } else {
+            self.pending.insert(path.clone(), at);
+        }
     }
-    deadline.max((now + HOLD).min(opened + HOLD_MAX))
+
+    fn deadline(
+        &self,
+        base: tokio::time::Instant,
+        opened: tokio::time::Instant,
+    ) -> tokio::time::Instant {
+        match self.pending.values().max() {
+            Some(last) => base.max((*last + HOLD).min(opened + HOLD_MAX)),
+            None => base,
+        }
+    }
 }
 
 /// Whether `path` is something a registry link may go through rather than
@@ -1653,28 +1672,39 @@ mod tests {
     #[test]
     fn only_bursts_and_files_being_written_wait_for_the_window() {
         let now = tokio::time::Instant::now();
-        assert_eq!(batch_deadline(true, None, now), now);
+        assert_eq!(batch_deadline(None, now), now);
         let long_ago = now - COALESCE_WINDOW * 3;
-        assert_eq!(batch_deadline(true, Some(long_ago), now), now);
+        assert_eq!(batch_deadline(Some(long_ago), now), now);
         let just_now = now - COALESCE_WINDOW / 4;
         assert_eq!(
-            batch_deadline(true, Some(just_now), now),
+            batch_deadline(Some(just_now), now),
             just_now + COALESCE_WINDOW
         );
-        assert_eq!(batch_deadline(false, None, now), now + HOLD);
-        assert_eq!(batch_deadline(false, Some(just_now), now), now + HOLD);
-        // A file going away late in a burst holds the batch for what
-        // replaces it; whole files do not; a stream of them, not forever.
-        let opened = now;
-        let burst = batch_deadline(true, Some(just_now), opened);
+        // A file going away holds the batch for what replaces it, wherever
+        // it falls in the batch, until its replacement arrives whole; a
+        // file written in place, until it is closed; a stream of them,
+        // not forever.
+        let (opened, base) = (now, batch_deadline(Some(just_now), now));
+        let file = |name: &str, whole: bool| Change::File {
+            path: PathBuf::from(name),
+            whole,
+        };
+        let mut holds = Holds::default();
+        holds.note(&file("a.yaml", true), opened);
+        assert_eq!(holds.deadline(base, opened), base);
         let late = opened + COALESCE_WINDOW / 2;
-        assert_eq!(held_deadline(burst, true, opened, late), burst);
-        assert_eq!(held_deadline(burst, false, opened, late), late + HOLD);
-        let much_later = opened + HOLD_MAX;
-        assert_eq!(
-            held_deadline(late + HOLD, false, opened, much_later),
-            opened + HOLD_MAX
-        );
+        holds.note(&file("b.yaml", false), late);
+        assert_eq!(holds.deadline(base, opened), late + HOLD);
+        holds.note(&file("b.yaml", true), late + HOLD / 2);
+        assert_eq!(holds.deadline(base, opened), base);
+        let target = Change::Target {
+            path: PathBuf::from("/elsewhere/c.yaml"),
+            whole: false,
+        };
+        holds.note(&target, opened + HOLD_MAX);
+        assert_eq!(holds.deadline(base, opened), opened + HOLD_MAX);
+        holds.note(&Change::Rescan, opened + HOLD_MAX);
+        assert_eq!(holds.deadline(base, opened), opened + HOLD_MAX);
         assert!(HOLD >= COALESCE_WINDOW && HOLD_MAX > HOLD);
         use notify::event::{
             AccessKind, AccessMode, CreateKind, DataChange, ModifyKind, RemoveKind, RenameMode,
