@@ -2035,3 +2035,220 @@ mod tests {
         assert!(!is_registry_file(Path::new("/r/..data")));
     }
 }
+
+/// What the batching costs each way of writing files, measured by hand
+/// (wall-clock figures; docs/benchmarks.md): `cargo test --release -p
+/// tether-control --lib -- --ignored --nocapture --test-threads 1
+/// registry::file::write_patterns`. Written as a hostile review of the
+/// burst window and the holds.
+#[cfg(test)]
+mod write_patterns {
+    use super::*;
+    use std::time::Instant as StdInstant;
+
+    fn svc_text(n: usize, weight: u32) -> String {
+        format!(
+            "kind: Service\nname: s{n}\nports: [{{port: 80}}]\n---\nkind: Endpoints\nservice: s{n}\nendpoints: [{{address: 10.0.{n}.1:80, weight: {weight}}}]\n"
+        )
+    }
+
+    fn put(dir: &Path, n: usize, weight: u32, in_place: bool) {
+        let path = dir.join(format!("s{n}.yaml"));
+        let text = svc_text(n, weight);
+        if in_place {
+            std::fs::write(&path, text).unwrap();
+        } else {
+            let tmp = dir.join(format!(".s{n}.tmp"));
+            std::fs::write(&tmp, text).unwrap();
+            std::fs::rename(&tmp, &path).unwrap();
+        }
+    }
+
+    fn weight_of(index: &Index, n: usize) -> Option<u32> {
+        let s = index.service(&ServiceKey::new(format!("s{n}"), "default"))?;
+        let w = s.endpoints.iter().next().map(|e| e.weight);
+        w
+    }
+
+    async fn start(dir: &Path) -> (tokio::task::JoinHandle<Result<(), RegistryError>>, Index) {
+        let metrics = ControlMetrics::default();
+        let index = Index::new(metrics.clone());
+        let registry =
+            FileRegistry::new(dir, metrics).with_rescan_interval(Duration::from_secs(600));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(registry.run(
+            index.clone(),
+            Box::new(move || {
+                let _ = tx.send(());
+            }),
+        ));
+        rx.await.unwrap();
+        (task, index)
+    }
+
+    const FILES: usize = 20;
+
+    async fn latency(in_place: bool) -> (f64, f64, usize) {
+        latency_in(in_place, false).await
+    }
+
+    async fn latency_in(in_place: bool, linked: bool) -> (f64, f64, usize) {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let files_dir = if linked { elsewhere.path() } else { dir.path() };
+        for n in 0..FILES {
+            put(files_dir, n, 1, false);
+            if linked {
+                std::os::unix::fs::symlink(
+                    files_dir.join(format!("s{n}.yaml")),
+                    dir.path().join(format!("s{n}.yaml")),
+                )
+                .unwrap();
+            }
+        }
+        let (task, index) = start(dir.path()).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (idx, st) = (index.clone(), stop.clone());
+        let observer = std::thread::spawn(move || {
+            let mut seen: Vec<Vec<(u32, StdInstant)>> = vec![Vec::new(); FILES];
+            let mut last = [1u32; FILES];
+            let mut changes = 0;
+            while !st.load(Ordering::Relaxed) {
+                for n in 0..FILES {
+                    if let Some(w) = weight_of(&idx, n) {
+                        if w != last[n] {
+                            last[n] = w;
+                            seen[n].push((w, StdInstant::now()));
+                            changes += 1;
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            (seen, changes)
+        });
+        let d = files_dir.to_path_buf();
+        let writer = std::thread::spawn(move || {
+            let mut written = Vec::new();
+            let start = StdInstant::now();
+            for i in 0..1500usize {
+                let at = start + Duration::from_millis(2 * i as u64);
+                if let Some(wait) = at.checked_duration_since(StdInstant::now()) {
+                    std::thread::sleep(wait);
+                }
+                let n = i % FILES;
+                let w = 2 + i as u32;
+                put(&d, n, w, in_place);
+                written.push((n, w, StdInstant::now()));
+            }
+            written
+        });
+        let written = writer.join().unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stop.store(true, Ordering::Relaxed);
+        let (seen, _changes) = observer.join().unwrap();
+        task.abort();
+        let mut lat: Vec<f64> = written
+            .iter()
+            .filter_map(|(n, w, t)| {
+                seen[*n]
+                    .iter()
+                    .find(|(sw, _)| sw >= w)
+                    .map(|(_, st)| st.saturating_duration_since(*t).as_secs_f64() * 1e3)
+            })
+            .collect();
+        let missing = written.len() - lat.len();
+        lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let p = |q: f64| lat[((lat.len() as f64 - 1.0) * q) as usize];
+        (p(0.5), p(0.99), missing)
+    }
+
+    /// 1,500 writes over 20 files, one every 2 ms, renamed into place and
+    /// written in place: write to index, p50 and p99.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore]
+    async fn writes_one_every_2ms() {
+        for in_place in [false, true, false, true] {
+            let (p50, p99, missing) = latency(in_place).await;
+            eprintln!("in_place={in_place} p50={p50:.1}ms p99={p99:.1}ms missing={missing}");
+        }
+    }
+
+    /// `install`-like replacements (unlink, ~5 ms, create) of `victim.yaml`
+    /// while another file is written in place every `period`; counts the
+    /// trials in which the victim's service was seen gone.
+    async fn vanishings(period_ms: u64, trials: usize) -> usize {
+        let dir = tempfile::tempdir().unwrap();
+        put(dir.path(), 0, 1, false);
+        let victim = dir.path().join("victim.yaml");
+        let vtext = "kind: Service\nname: victim\nports: [{port: 80}]\n";
+        std::fs::write(&victim, vtext).unwrap();
+        let (task, index) = start(dir.path()).await;
+        let key = ServiceKey::new("victim", "default");
+        let stop = Arc::new(AtomicBool::new(false));
+        let (d, st) = (dir.path().to_path_buf(), stop.clone());
+        let noise = std::thread::spawn(move || {
+            let mut i = 2;
+            while period_ms > 0 && !st.load(Ordering::Relaxed) {
+                put(&d, 0, i, true);
+                i += 1;
+                std::thread::sleep(Duration::from_millis(period_ms));
+            }
+        });
+        let gone_count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut vanished = 0;
+        for t in 0..trials {
+            let (idx, k, st2) = (index.clone(), key.clone(), Arc::new(AtomicBool::new(false)));
+            let s3 = st2.clone();
+            let gc = gone_count.clone();
+            let obs = std::thread::spawn(move || {
+                let mut gone = false;
+                while !s3.load(Ordering::Relaxed) {
+                    if idx.service(&k).is_none() {
+                        gone = true;
+                    }
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                if gone {
+                    gc.fetch_add(1, Ordering::Relaxed);
+                }
+                gone
+            });
+            // Spread the replacement's phase against the noise.
+            std::thread::sleep(Duration::from_micros(37_000 + (t as u64 * 1_713) % 20_000));
+            std::fs::remove_file(&victim).unwrap();
+            std::thread::sleep(Duration::from_millis(5));
+            std::fs::write(&victim, vtext).unwrap();
+            tokio::time::sleep(Duration::from_millis(120)).await;
+            st2.store(true, Ordering::Relaxed);
+            if obs.join().unwrap() {
+                vanished += 1;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        noise.join().unwrap();
+        task.abort();
+        vanished
+    }
+
+    /// The same, renamed into the directory the registry's links point into.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore]
+    async fn writes_through_links() {
+        for _ in 0..2 {
+            let (p50, p99, missing) = latency_in(false, true).await;
+            eprintln!("linked rename p50={p50:.1}ms p99={p99:.1}ms missing={missing}");
+        }
+    }
+
+    /// How often a file replaced as `install` does (unlink, 5 ms, create)
+    /// is seen gone, beside another file written in place every 8 or 3 ms.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore]
+    async fn replacements_beside_writes_in_place() {
+        for period in [0, 8, 3] {
+            let v = vanishings(period, 60).await;
+            eprintln!("noise every {period} ms: victim vanished in {v}/60 trials");
+        }
+    }
+}
