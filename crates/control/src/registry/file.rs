@@ -57,7 +57,7 @@ use crate::metrics::ControlMetrics;
 /// How long a burst's changes are collected into one batch: at most one
 /// batch per window while changes keep coming. At 500 changes/s every
 /// change is in a burst, so this is the floor of its latency: 10 ms gave
-/// a p99 of 29-32 ms from write to subscriber, 5 ms 18-25 ms, at the same
+/// a p50 of 14-17 ms from write to subscriber, 5 ms 8-11 ms, for ~7% more
 /// CPU per change (docs/benchmarks.md).
 const COALESCE_WINDOW: Duration = Duration::from_millis(5);
 /// How long a file being written in place, or going away, waits for the
