@@ -1049,6 +1049,113 @@ mod tests {
         ServiceState::new(vec![PortSpec::http(80)]).with_endpoints(endpoints)
     }
 
+    /// Random lists of shared parts (parts kept, dropped, swapped or
+    /// inserted; endpoints moving unchanged between parts; distinct or
+    /// not; with a global id or not; services removed) given to the index
+    /// for two services: after every step each workload, looked up and
+    /// watched, is what a fresh index gives. Written as a hostile review
+    /// of the index's workload updates from the changed parts' names.
+    #[test]
+    fn incremental_workloads_match_a_fresh_index() {
+        type Part = Arc<[EndpointSpec]>;
+        for seed in 1..800u64 {
+            let mut next = crate::test_rng(0x1234_5678 ^ (seed * 0x9e37_79b9));
+            let keys = [
+                ServiceKey::new("web", "demo"),
+                ServiceKey::new("api", "demo"),
+            ];
+            let names = ["p0", "p1", "p2"];
+            let index = Index::new(ControlMetrics::default());
+            let watches: Vec<_> = names
+                .iter()
+                .map(|n| {
+                    index.watch_workload(&WorkloadKey {
+                        namespace: "demo".into(),
+                        name: n.to_string(),
+                    })
+                })
+                .collect();
+            let mut current: Vec<Option<(Vec<Part>, bool, bool)>> = vec![None, None];
+            let mut log = Vec::new();
+            for step in 0..40 {
+                let s = next(2) as usize;
+                let new = if next(8) == 0 {
+                    None
+                } else {
+                    let old_parts = current[s].as_ref().map(|c| c.0.clone()).unwrap_or_default();
+                    let mut parts: Vec<Part> =
+                        old_parts.iter().filter(|_| next(3) != 0).cloned().collect();
+                    if next(6) == 0 && parts.len() > 1 {
+                        parts.swap(0, 1);
+                    }
+                    let dropped: Vec<EndpointSpec> = old_parts
+                        .iter()
+                        .filter(|p| !parts.iter().any(|q| Arc::ptr_eq(p, q)))
+                        .flat_map(|p| p.iter().cloned())
+                        .collect();
+                    let mut used: HashSet<SocketAddr> = parts
+                        .iter()
+                        .flat_map(|p| p.iter().map(|e| e.address))
+                        .collect();
+                    let kept: usize = parts.iter().map(|p| p.len()).sum();
+                    let distinct = next(6) != 0 && used.len() == kept;
+                    for _ in 0..next(3) {
+                        let mut eps = Vec::new();
+                        for _ in 0..next(4) {
+                            let ep = if !dropped.is_empty() && next(2) == 0 {
+                                dropped[next(dropped.len() as u64) as usize].clone()
+                            } else {
+                                EndpointSpec {
+                                    name: (next(4) != 0)
+                                        .then(|| names[next(3) as usize].to_string()),
+                                    labels: [(
+                                        "v".to_string(),
+                                        ["a", "b", "c"][next(3) as usize].to_string(),
+                                    )]
+                                    .into(),
+                                    ..endpoint(&format!("10.0.0.{}:80", 1 + next(10)), true)
+                                }
+                            };
+                            if distinct && !used.insert(ep.address) {
+                                continue;
+                            }
+                            eps.push(ep);
+                        }
+                        let at = next(parts.len() as u64 + 1) as usize;
+                        parts.insert(at, eps.into());
+                    }
+                    let global = next(10) == 0;
+                    Some((parts, distinct, global))
+                };
+                let to_state = |c: &(Vec<Part>, bool, bool)| ServiceState {
+                    endpoints: EndpointList::parts(c.0.clone(), c.1),
+                    global_id: c.2.then(|| "g".to_string()),
+                    ..ServiceState::new(vec![PortSpec::http(80)])
+                };
+                log.push((s, new.as_ref().map(|c| (c.0.clone(), c.1, c.2))));
+                index.set_service(&keys[s], new.as_ref().map(to_state));
+                current[s] = new;
+                let fresh = Index::new(ControlMetrics::default());
+                for (k, c) in keys.iter().zip(&current) {
+                    fresh.set_service(k, c.as_ref().map(to_state));
+                }
+                for (n, w) in names.iter().zip(&watches) {
+                    let key = WorkloadKey {
+                        namespace: "demo".into(),
+                        name: n.to_string(),
+                    };
+                    let want = fresh.workload(&key);
+                    assert_eq!(
+                        index.workload(&key),
+                        want,
+                        "seed {seed} step {step} {n}: {log:?}"
+                    );
+                    assert_eq!(*w.borrow(), want, "watched: seed {seed} step {step} {n}");
+                }
+            }
+        }
+    }
+
     /// A name's workload takes the labels of its first listing. An
     /// endpoint that moves, unchanged, from a part before another listing
     /// of its name to a part after it is in no list of endpoints removed
