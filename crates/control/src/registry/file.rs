@@ -2066,8 +2066,8 @@ mod write_patterns {
 
     fn weight_of(index: &Index, n: usize) -> Option<u32> {
         let s = index.service(&ServiceKey::new(format!("s{n}"), "default"))?;
-        let w = s.endpoints.iter().next().map(|e| e.weight);
-        w
+        let weight = s.endpoints.iter().next().map(|e| e.weight);
+        weight
     }
 
     async fn start(dir: &Path) -> (tokio::task::JoinHandle<Result<(), RegistryError>>, Index) {
@@ -2112,20 +2112,18 @@ mod write_patterns {
         let observer = std::thread::spawn(move || {
             let mut seen: Vec<Vec<(u32, StdInstant)>> = vec![Vec::new(); FILES];
             let mut last = [1u32; FILES];
-            let mut changes = 0;
             while !st.load(Ordering::Relaxed) {
                 for n in 0..FILES {
                     if let Some(w) = weight_of(&idx, n) {
                         if w != last[n] {
                             last[n] = w;
                             seen[n].push((w, StdInstant::now()));
-                            changes += 1;
                         }
                     }
                 }
                 std::thread::sleep(Duration::from_micros(200));
             }
-            (seen, changes)
+            seen
         });
         let d = files_dir.to_path_buf();
         let writer = std::thread::spawn(move || {
@@ -2146,7 +2144,7 @@ mod write_patterns {
         let written = writer.join().unwrap();
         tokio::time::sleep(Duration::from_millis(300)).await;
         stop.store(true, Ordering::Relaxed);
-        let (seen, _changes) = observer.join().unwrap();
+        let seen = observer.join().unwrap();
         task.abort();
         let mut lat: Vec<f64> = written
             .iter()
@@ -2195,12 +2193,10 @@ mod write_patterns {
                 std::thread::sleep(Duration::from_millis(period_ms));
             }
         });
-        let gone_count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let mut vanished = 0;
         for t in 0..trials {
             let (idx, k, st2) = (index.clone(), key.clone(), Arc::new(AtomicBool::new(false)));
             let s3 = st2.clone();
-            let gc = gone_count.clone();
             let obs = std::thread::spawn(move || {
                 let mut gone = false;
                 while !s3.load(Ordering::Relaxed) {
@@ -2208,9 +2204,6 @@ mod write_patterns {
                         gone = true;
                     }
                     std::thread::sleep(Duration::from_micros(100));
-                }
-                if gone {
-                    gc.fetch_add(1, Ordering::Relaxed);
                 }
                 gone
             });

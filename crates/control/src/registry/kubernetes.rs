@@ -273,6 +273,19 @@ struct SliceRefs {
     pods: Vec<(String, String)>,
 }
 
+/// The pod an endpoint's reference names, if it names one: a reference
+/// without a namespace is to the slice's own.
+fn pod_key(
+    r: &k8s_openapi::api::core::v1::ObjectReference,
+    slice_namespace: &str,
+) -> Option<(String, String)> {
+    if r.kind.as_deref() != Some("Pod") {
+        return None;
+    }
+    let namespace = r.namespace.as_deref().unwrap_or(slice_namespace);
+    Some((namespace.to_string(), r.name.clone()?))
+}
+
 impl SliceRefs {
     fn of(slice: &EndpointSlice) -> Self {
         let namespace = slice.namespace().unwrap_or_default();
@@ -280,14 +293,7 @@ impl SliceRefs {
             .endpoints
             .iter()
             .flatten()
-            .filter_map(|ep| ep.target_ref.as_ref())
-            .filter(|r| r.kind.as_deref() == Some("Pod"))
-            .filter_map(|r| {
-                Some((
-                    r.namespace.clone().unwrap_or_else(|| namespace.clone()),
-                    r.name.clone()?,
-                ))
-            })
+            .filter_map(|ep| pod_key(ep.target_ref.as_ref()?, &namespace))
             .collect();
         pods.sort_unstable();
         pods.dedup();
@@ -608,13 +614,8 @@ impl World {
                 let pod = ep
                     .target_ref
                     .as_ref()
-                    .filter(|r| r.kind.as_deref() == Some("Pod"))
-                    .and_then(|r| {
-                        self.pods.get(&(
-                            r.namespace.clone().unwrap_or_else(|| key.namespace.clone()),
-                            r.name.clone()?,
-                        ))
-                    });
+                    .and_then(|r| pod_key(r, &key.namespace))
+                    .and_then(|k| self.pods.get(&k));
                 let meshed = pod.is_some_and(|p| {
                     p.spec.as_ref().is_some_and(|s| {
                         s.containers
@@ -1475,6 +1476,17 @@ mod tests {
         Ok(())
     }
 
+    /// What a Delete event sends for `sent`'s key, if an object is held
+    /// under it: the stored object, or (`other`) another version of it.
+    fn deleted<K: Clone + ResourceExt>(
+        map: &HashMap<(String, String), K>,
+        sent: K,
+        other: bool,
+    ) -> Option<K> {
+        let stored = map.get(&key_of(&sent)).cloned()?;
+        Some(if other { sent } else { stored })
+    }
+
     /// The service's state computed from scratch: a world of the same
     /// objects with nothing built yet.
     fn fresh_state(world: &World, key: &ServiceKey) -> Option<ServiceState> {
@@ -1648,15 +1660,10 @@ mod tests {
                         (vec![key_of(&s)], on_slices(&mut world, &mut relist, Event::Apply(s)))
                     }
                     SliceEvent::Delete(spec, other) => {
-                        let sent = build(&spec);
-                        let key = key_of(&sent);
-                        match world.slices.get(&key).cloned() {
-                            Some(stored) => {
-                                let sent = if other { sent } else { stored };
-                                (vec![key], on_slices(&mut world, &mut relist, Event::Delete(sent)))
-                            }
-                            None => continue,
-                        }
+                        let Some(sent) = deleted(&world.slices, build(&spec), other) else {
+                            continue;
+                        };
+                        (vec![key_of(&sent)], on_slices(&mut world, &mut relist, Event::Delete(sent)))
                     }
                     SliceEvent::Relist(first, restarted) => {
                         let mut last = &first;
@@ -2312,16 +2319,6 @@ mod tests {
             (0..3)
                 .flat_map(|s| ["a", "b"].map(|n| ServiceKey::new(format!("svc{s}"), n.to_string())))
                 .collect()
-        }
-
-        /// Deletes send the stored object or another version (`other`).
-        fn deleted<K: Clone + ResourceExt>(
-            map: &HashMap<(String, String), K>,
-            sent: K,
-            other: bool,
-        ) -> Option<K> {
-            let stored = map.get(&key_of(&sent)).cloned()?;
-            Some(if other { sent } else { stored })
         }
 
         proptest! {
