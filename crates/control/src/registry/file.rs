@@ -774,6 +774,7 @@ fn apply(
 }
 
 /// What the watcher tells the registry loop.
+#[derive(Debug)]
 enum Change {
     /// A registry file of the directory changed; `whole` when the event
     /// says the change is complete (renamed into place, closed after
@@ -925,72 +926,189 @@ impl Registry for FileRegistry {
         let mut rescan = tokio::time::interval(self.rescan_interval);
         rescan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_applied: Option<tokio::time::Instant> = None;
+        let mut carried = Vec::new();
         loop {
-            let mut batch = BTreeSet::new();
-            let mut full = false;
-            let mut observed_at = std::time::Instant::now();
-            let mut take = |change: Change| match change {
-                Change::File { path, .. } => {
-                    batch.insert(path);
+            let (gathered, ticked) = if carried.is_empty() {
+                tokio::select! {
+                    change = rx.recv() => {
+                        let Some(change) = change else { return Ok(()) };
+                        (gather(&mut rx, Opening::Received(change), last_applied).await, false)
+                    }
+                    _ = rescan.tick() => (Batch::opened(), true),
                 }
-                Change::Target { path: target, .. } => {
-                    batch.extend(
-                        loaded
-                            .linked_from
-                            .get(&target)
-                            .into_iter()
-                            .flatten()
-                            .cloned(),
-                    );
-                }
-                Change::Rescan => full = true,
+            } else {
+                let carried = std::mem::take(&mut carried);
+                let gathered = gather(&mut rx, Opening::Carried(carried), last_applied).await;
+                (gathered, false)
             };
-            tokio::select! {
-                change = rx.recv() => {
-                    observed_at = std::time::Instant::now();
-                    let Some(change) = change else { return Ok(()) };
-                    let opened = tokio::time::Instant::now();
-                    let base = batch_deadline(last_applied, opened);
-                    let mut holds = Holds::default();
-                    holds.note(&change, opened);
-                    take(change);
-                    // A past deadline still takes what is already queued.
-                    let mut deadline = holds.deadline(base, opened);
-                    while let Ok(Some(change)) = tokio::time::timeout_at(deadline, rx.recv()).await {
-                        holds.note(&change, tokio::time::Instant::now());
-                        take(change);
-                        deadline = holds.deadline(base, opened);
-                    }
-                }
-                _ = rescan.tick() => full = true,
-            }
-            if overflowed.swap(false, Ordering::Relaxed) || full {
-                // Full comparison of probes: new, changed and removed files.
-                match self.list() {
-                    Ok(files) => {
-                        for (path, probe) in &files {
-                            if loaded.files.get(path).map(|f| &f.probe) != Some(probe) {
-                                batch.insert(path.clone());
-                            }
-                        }
-                        batch.extend(
-                            loaded
-                                .files
-                                .keys()
-                                .filter(|p| !files.contains_key(*p))
-                                .cloned(),
-                        );
-                    }
-                    Err(e) => tracing::warn!(error = %e, "registry rescan failed"),
-                }
-            }
+            let full = ticked || overflowed.swap(false, Ordering::Relaxed) || gathered.rescan;
+            let listed = if full {
+                self.list()
+                    .inspect_err(|e| tracing::warn!(error = %e, "registry rescan failed"))
+                    .ok()
+            } else {
+                None
+            };
+            let batch = gathered.files(&loaded, listed.as_ref());
+            carried = gathered.carried;
             if !batch.is_empty() {
-                apply(&mut loaded, batch, &index, &self.metrics, observed_at);
+                apply(
+                    &mut loaded,
+                    batch,
+                    &index,
+                    &self.metrics,
+                    gathered.observed_at,
+                );
                 targets.update(&mut watcher, &mut loaded);
                 last_applied = Some(tokio::time::Instant::now());
             }
         }
     }
+}
+
+/// The registry files `change` concerns (for a link target's change, the
+/// files linking to it).
+fn files_of(change: &Change, loaded: &Loaded) -> Vec<PathBuf> {
+    match change {
+        Change::File { path, .. } => vec![path.clone()],
+        Change::Target { path, .. } => links_to(path, loaded).collect(),
+        Change::Rescan => Vec::new(),
+    }
+}
+
+/// The registry files linking to `target`.
+fn links_to<'a>(target: &Path, loaded: &'a Loaded) -> impl Iterator<Item = PathBuf> + 'a {
+    loaded
+        .linked_from
+        .get(target)
+        .into_iter()
+        .flatten()
+        .cloned()
+}
+
+/// What opens a batch.
+enum Opening {
+    /// A change just received after a quiet moment.
+    Received(Change),
+    /// The files the last batch left incomplete at [`HOLD_MAX`], with
+    /// their last event's time.
+    Carried(Vec<(Change, tokio::time::Instant)>),
+}
+
+/// One batch of changes ([`gather`]): what its events named, once each
+/// (a file written without pause sends thousands).
+struct Batch {
+    /// Registry files.
+    files: BTreeSet<PathBuf>,
+    /// Link targets.
+    targets: BTreeSet<PathBuf>,
+    /// An event asked for a full rescan.
+    rescan: bool,
+    /// Files whose last event left them incomplete when the batch hit
+    /// [`HOLD_MAX`], each with that event's time, and not carried over
+    /// before: they are left out of this batch and open the next. So a
+    /// removal late in a batch held open by other files still waits for
+    /// its replacement, and a file written without pause is applied
+    /// within two caps.
+    carried: Vec<(Change, tokio::time::Instant)>,
+    /// When its first change was seen (for the publish-latency metric).
+    observed_at: std::time::Instant,
+}
+
+impl Batch {
+    fn opened() -> Self {
+        Self {
+            files: BTreeSet::new(),
+            targets: BTreeSet::new(),
+            rescan: false,
+            carried: Vec::new(),
+            observed_at: std::time::Instant::now(),
+        }
+    }
+
+    fn take(&mut self, change: Change) {
+        match change {
+            Change::File { path, .. } => {
+                self.files.insert(path);
+            }
+            Change::Target { path, .. } => {
+                self.targets.insert(path);
+            }
+            Change::Rescan => self.rescan = true,
+        }
+    }
+
+    /// The registry files to read again: those its changes concern, and
+    /// when a full rescan `listed` the directory, those new, changed or
+    /// gone since `loaded` read them; but not the files it carries, which
+    /// the next batch reads (a rescan's view of them included).
+    fn files(
+        &self,
+        loaded: &Loaded,
+        listed: Option<&BTreeMap<PathBuf, Probe>>,
+    ) -> BTreeSet<PathBuf> {
+        let mut files = self.files.clone();
+        for target in &self.targets {
+            files.extend(links_to(target, loaded));
+        }
+        if let Some(listed) = listed {
+            for (path, probe) in listed {
+                if loaded.files.get(path).map(|f| &f.probe) != Some(probe) {
+                    files.insert(path.clone());
+                }
+            }
+            files.extend(
+                loaded
+                    .files
+                    .keys()
+                    .filter(|p| !listed.contains_key(*p))
+                    .cloned(),
+            );
+        }
+        for (change, _) in &self.carried {
+            for file in files_of(change, loaded) {
+                files.remove(&file);
+            }
+        }
+        files
+    }
+}
+
+/// Gathers the batch `opening` starts: until [`batch_deadline`], held
+/// further by the files still incomplete ([`Holds`]).
+async fn gather(
+    rx: &mut mpsc::Receiver<Change>,
+    opening: Opening,
+    last_applied: Option<tokio::time::Instant>,
+) -> Batch {
+    let opened = tokio::time::Instant::now();
+    let base = batch_deadline(last_applied, opened);
+    let mut holds = Holds::default();
+    let mut batch = Batch::opened();
+    match opening {
+        Opening::Received(change) => {
+            holds.note(&change, opened);
+            batch.take(change);
+        }
+        Opening::Carried(carried) => {
+            if let Some(first) = carried.iter().map(|(_, at)| *at).min() {
+                batch.observed_at = first.into_std();
+            }
+            for (change, at) in carried {
+                holds.carry(&change, at);
+                batch.take(change);
+            }
+        }
+    }
+    // A past deadline still takes what is already queued.
+    let mut deadline = holds.deadline(base, opened);
+    while let Ok(Some(change)) = tokio::time::timeout_at(deadline, rx.recv()).await {
+        holds.note(&change, tokio::time::Instant::now());
+        batch.take(change);
+        deadline = holds.deadline(base, opened);
+    }
+    batch.carried = holds.unfinished(tokio::time::Instant::now());
+    batch
 }
 
 /// Whether an event says a file's change is complete: renamed into place,
@@ -1047,22 +1165,49 @@ fn arrived_whole(kind: &notify::EventKind, i: usize) -> bool {
 /// the batch a [`HOLD`] after its event, until an event says it is whole
 /// again (closed after writing, renamed in); the batch waits at most
 /// [`HOLD_MAX`] after it opened, so a stream of them cannot hold it
-/// forever.
+/// forever. Those still held then are carried into the next batch once
+/// ([`Batch::carried`]).
 #[derive(Default)]
 struct Holds {
-    pending: HashMap<PathBuf, tokio::time::Instant>,
+    pending: HashMap<PathBuf, Pending>,
+}
+
+struct Pending {
+    at: tokio::time::Instant,
+    /// A link target's change, not a registry file's.
+    target: bool,
+    /// Carried over from the last batch: not carried again.
+    carried: bool,
 }
 
 impl Holds {
     fn note(&mut self, change: &Change, at: tokio::time::Instant) {
-        let (path, whole) = match change {
-            Change::File { path, whole } | Change::Target { path, whole } => (path, *whole),
+        let (path, whole, target) = match change {
+            Change::File { path, whole } => (path, *whole, false),
+            Change::Target { path, whole } => (path, *whole, true),
             Change::Rescan => return,
         };
         if whole {
             self.pending.remove(path);
+        } else if let Some(pending) = self.pending.get_mut(path) {
+            pending.at = at;
         } else {
-            self.pending.insert(path.clone(), at);
+            let pending = Pending {
+                at,
+                target,
+                carried: false,
+            };
+            self.pending.insert(path.clone(), pending);
+        }
+    }
+
+    /// Takes up a file the last batch carried, as of its last event.
+    fn carry(&mut self, change: &Change, at: tokio::time::Instant) {
+        self.note(change, at);
+        if let Some(path) = changed_path(change) {
+            if let Some(pending) = self.pending.get_mut(path) {
+                pending.carried = true;
+            }
         }
     }
 
@@ -1071,10 +1216,39 @@ impl Holds {
         base: tokio::time::Instant,
         opened: tokio::time::Instant,
     ) -> tokio::time::Instant {
-        match self.pending.values().max() {
-            Some(last) => base.max((*last + HOLD).min(opened + HOLD_MAX)),
+        match self.pending.values().map(|p| p.at).max() {
+            Some(last) => base.max((last + HOLD).min(opened + HOLD_MAX)),
             None => base,
         }
+    }
+
+    /// The files still held at `now` (the batch hit [`HOLD_MAX`]) that
+    /// were not carried before, as changes that open the next batch, in
+    /// a stable order.
+    fn unfinished(self, now: tokio::time::Instant) -> Vec<(Change, tokio::time::Instant)> {
+        let mut unfinished: Vec<_> = self
+            .pending
+            .into_iter()
+            .filter(|(_, p)| !p.carried && p.at + HOLD > now)
+            .map(|(path, p)| {
+                let change = if p.target {
+                    Change::Target { path, whole: false }
+                } else {
+                    Change::File { path, whole: false }
+                };
+                (change, p.at)
+            })
+            .collect();
+        unfinished.sort_by(|(a, _), (b, _)| changed_path(a).cmp(&changed_path(b)));
+        unfinished
+    }
+}
+
+/// The path a change names (`None` for a rescan).
+fn changed_path(change: &Change) -> Option<&Path> {
+    match change {
+        Change::File { path, .. } | Change::Target { path, .. } => Some(path),
+        Change::Rescan => None,
     }
 }
 
@@ -1742,6 +1916,168 @@ mod tests {
         assert!(arrived_whole(&renamed_in, 0));
     }
 
+    /// Sends `events` (milliseconds after the start, path, whole) as the
+    /// watcher would, on paused time.
+    fn send_at(events: Vec<(u64, &'static str, bool)>) -> mpsc::Receiver<Change> {
+        let (tx, rx) = mpsc::channel(EVENT_QUEUE);
+        let start = tokio::time::Instant::now();
+        tokio::spawn(async move {
+            for (ms, path, whole) in events {
+                tokio::time::sleep_until(start + Duration::from_millis(ms)).await;
+                let path = PathBuf::from(path);
+                let change = if path.is_absolute() {
+                    Change::Target { path, whole }
+                } else {
+                    Change::File { path, whole }
+                };
+                tx.send(change).await.unwrap();
+            }
+            // The watcher's sender lives as long as the loop.
+            std::future::pending::<()>().await;
+            drop(tx);
+        });
+        rx
+    }
+
+    fn named_in(batch: &Batch) -> BTreeSet<&Path> {
+        batch
+            .files
+            .iter()
+            .chain(&batch.targets)
+            .map(PathBuf::as_path)
+            .collect()
+    }
+
+    fn carried_paths(batch: &Batch) -> Vec<(&Path, Duration)> {
+        batch
+            .carried
+            .iter()
+            .map(|(c, at)| (changed_path(c).unwrap(), at.elapsed()))
+            .collect()
+    }
+
+    /// A batch held to its cap by a file written in place without pause
+    /// leaves out the files still incomplete, a removal among them, and
+    /// the next batch opens with them: the removal goes out with its
+    /// replacement, and the file written without pause within two caps.
+    #[tokio::test(start_paused = true)]
+    async fn files_still_incomplete_at_the_cap_open_the_next_batch() {
+        // x.yaml written every 3 ms from 0 to 180 ms and never closed;
+        // a.yaml unlinked at 45 ms and created again whole at 53 ms; a
+        // link target written at 47 ms, closed at 60.
+        let mut events: Vec<_> = (0..61).map(|i| (3 * i, "x.yaml", false)).collect();
+        events.extend([
+            (45, "a.yaml", false),
+            (47, "/elsewhere/t.yaml", false),
+            (53, "a.yaml", true),
+            (60, "/elsewhere/t.yaml", true),
+            (61, "b.yaml", true),
+        ]);
+        events.sort();
+        let mut rx = send_at(events);
+        let first = rx.recv().await.unwrap();
+        let start = tokio::time::Instant::now();
+        let batch = gather(&mut rx, Opening::Received(first), None).await;
+        assert_eq!(start.elapsed(), HOLD_MAX);
+        assert_eq!(
+            named_in(&batch),
+            ["x.yaml", "a.yaml", "/elsewhere/t.yaml"]
+                .map(Path::new)
+                .into()
+        );
+        // Sorted by path, each with its last event's time.
+        let ms = Duration::from_millis;
+        assert_eq!(
+            carried_paths(&batch),
+            [
+                (Path::new("/elsewhere/t.yaml"), ms(3)),
+                (Path::new("a.yaml"), ms(5)),
+                (Path::new("x.yaml"), ms(2)),
+            ]
+        );
+        assert!(batch.carried.iter().all(|(c, _)| matches!(
+            c,
+            Change::File { whole: false, .. } | Change::Target { whole: false, .. }
+        )));
+
+        // The next batch opens at once with them; x.yaml holds it to its
+        // own cap, where x.yaml, carried once already, goes out.
+        let opened = tokio::time::Instant::now();
+        let carried = Opening::Carried(batch.carried);
+        let next = gather(&mut rx, carried, Some(opened)).await;
+        assert_eq!(opened.elapsed(), HOLD_MAX);
+        assert_eq!(
+            named_in(&next),
+            ["x.yaml", "a.yaml", "/elsewhere/t.yaml", "b.yaml"]
+                .map(Path::new)
+                .into()
+        );
+        assert!(next.carried.is_empty(), "{:?}", next.carried);
+    }
+
+    /// A batch reads again the files its changes name (a link target's
+    /// through its links) and those a rescan finds changed or gone, but
+    /// not the files it carries: a file removed late in a held batch is
+    /// not applied as gone, even when a rescan sees it gone.
+    #[test]
+    fn a_batch_leaves_what_it_carries_to_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let target = write(elsewhere.path(), "t.yaml", &service(81));
+        std::os::unix::fs::symlink(&target, dir.path().join("l.yaml")).unwrap();
+        write(dir.path(), "a.yaml", &service(80));
+        write(dir.path(), "c.yaml", &service(82));
+        let (loaded, _, _) = load_in_order(dir.path(), &["a.yaml", "c.yaml", "l.yaml"]);
+        std::fs::remove_file(dir.path().join("a.yaml")).unwrap();
+        write(dir.path(), "c.yaml", &service(83));
+        let registry = FileRegistry::new(dir.path(), ControlMetrics::default());
+        let listed = registry.list().unwrap();
+
+        let at = tokio::time::Instant::now();
+        let gone = |path: PathBuf| Change::File { path, whole: false };
+        let target_written = || Change::Target {
+            path: target.clone(),
+            whole: false,
+        };
+        let mut batch = Batch::opened();
+        batch.take(gone(dir.path().join("a.yaml")));
+        batch.take(target_written());
+        batch.take(Change::File {
+            path: dir.path().join("c.yaml"),
+            whole: true,
+        });
+        let everything: BTreeSet<PathBuf> = ["a.yaml", "c.yaml", "l.yaml"]
+            .map(|n| dir.path().join(n))
+            .into();
+        assert_eq!(batch.files(&loaded, None), everything);
+        assert_eq!(batch.files(&loaded, Some(&listed)), everything);
+        batch.carried = vec![
+            (gone(dir.path().join("a.yaml")), at),
+            (target_written(), at),
+        ];
+        let only_c: BTreeSet<PathBuf> = [dir.path().join("c.yaml")].into();
+        assert_eq!(batch.files(&loaded, None), only_c);
+        assert_eq!(batch.files(&loaded, Some(&listed)), only_c);
+    }
+
+    /// Files that finish within their hold are not carried; nor is a
+    /// batch closed before its cap.
+    #[tokio::test(start_paused = true)]
+    async fn files_that_finish_in_time_are_not_carried() {
+        let mut rx = send_at(vec![
+            (0, "a.yaml", false),
+            (3, "b.yaml", false),
+            (4, "a.yaml", true),
+        ]);
+        let first = rx.recv().await.unwrap();
+        let start = tokio::time::Instant::now();
+        let batch = gather(&mut rx, Opening::Received(first), None).await;
+        // b.yaml's hold ran out (13 ms), well before the cap.
+        assert_eq!(start.elapsed(), Duration::from_millis(3) + HOLD);
+        assert_eq!(named_in(&batch).len(), 2);
+        assert!(batch.carried.is_empty());
+    }
+
     /// A service in 20 files of 500 endpoints: a change to one file
     /// re-reads that file only, and its slot is updated from the change
     /// (no snapshot of the service built), ending where a fresh read does.
@@ -2173,9 +2509,10 @@ mod write_patterns {
     }
 
     /// `install`-like replacements (unlink, ~5 ms, create) of `victim.yaml`
-    /// while another file is written in place every `period`; counts the
-    /// trials in which the victim's service was seen gone.
-    async fn vanishings(period_ms: u64, trials: usize) -> usize {
+    /// while another file is written in place every `period` (closed after
+    /// each write, or `held_open` and never closed); counts the trials in
+    /// which the victim's service was seen gone.
+    async fn vanishings(period_ms: u64, held_open: bool, trials: usize) -> usize {
         let dir = tempfile::tempdir().unwrap();
         put(dir.path(), 0, 1, false);
         let victim = dir.path().join("victim.yaml");
@@ -2186,9 +2523,20 @@ mod write_patterns {
         let stop = Arc::new(AtomicBool::new(false));
         let (d, st) = (dir.path().to_path_buf(), stop.clone());
         let noise = std::thread::spawn(move || {
+            use std::io::Write;
             let mut i = 2;
+            let mut open = held_open.then(|| {
+                std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(d.join("s0.yaml"))
+                    .unwrap()
+            });
             while period_ms > 0 && !st.load(Ordering::Relaxed) {
-                put(&d, 0, i, true);
+                match open.as_mut() {
+                    // A comment keeps the file valid.
+                    Some(file) => file.write_all(b"#\n").unwrap(),
+                    None => put(&d, 0, i, true),
+                }
                 i += 1;
                 std::thread::sleep(Duration::from_millis(period_ms));
             }
@@ -2240,8 +2588,19 @@ mod write_patterns {
     #[ignore]
     async fn replacements_beside_writes_in_place() {
         for period in [0, 8, 3] {
-            let v = vanishings(period, 60).await;
+            let v = vanishings(period, false, 60).await;
             eprintln!("noise every {period} ms: victim vanished in {v}/60 trials");
+        }
+    }
+
+    /// The same beside a file written every 3 ms and never closed, which
+    /// holds every batch to its cap.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore]
+    async fn replacements_beside_a_file_held_open() {
+        for _ in 0..2 {
+            let v = vanishings(3, true, 100).await;
+            eprintln!("a file held open, written every 3 ms: victim vanished in {v}/100 trials");
         }
     }
 }
