@@ -11,7 +11,7 @@
 //!   chunks they share. Subscribers keep the version they were sent, so
 //!   every one of them costs a pointer, not a copy.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -70,6 +70,18 @@ impl EndpointList {
         self.parts.iter().flat_map(|p| p.iter())
     }
 
+    /// The endpoints of the parts `ids` names ([`EndpointChanges::new_parts`]),
+    /// in the list's order, without looking inside the others.
+    pub(crate) fn endpoints_of_parts<'a>(
+        &'a self,
+        ids: &'a HashSet<usize>,
+    ) -> impl Iterator<Item = &'a EndpointSpec> + 'a {
+        self.parts
+            .iter()
+            .filter(|p| ids.contains(&part_id(p)))
+            .flat_map(|p| p.iter())
+    }
+
     /// What changed from `old` to `self`, when both are distinct and share
     /// their unchanged parts in the same order: the endpoints gone (or
     /// changed) and the endpoints new (or changed). Costs the parts that
@@ -78,9 +90,9 @@ impl EndpointList {
         if !(self.distinct && old.distinct) {
             return None;
         }
-        let ptr = |p: &Arc<[EndpointSpec]>| Arc::as_ptr(p) as *const EndpointSpec as usize;
-        let new_parts: std::collections::HashSet<usize> = self.parts.iter().map(ptr).collect();
-        let old_parts: std::collections::HashSet<usize> = old.parts.iter().map(ptr).collect();
+        let ptr = part_id;
+        let new_parts: HashSet<usize> = self.parts.iter().map(ptr).collect();
+        let old_parts: HashSet<usize> = old.parts.iter().map(ptr).collect();
         // The parts both share must keep their order: the order decides
         // which listing of a workload's name comes first.
         let shared_new = self.parts.iter().map(ptr).filter(|p| old_parts.contains(p));
@@ -97,21 +109,31 @@ impl EndpointList {
             .map(|ep| ((ep.address, ep.port), ep))
             .collect();
         let mut changes = EndpointChanges {
-            removed: Vec::new(),
-            added: Vec::new(),
-            names: gone.values().filter_map(|ep| ep.name.clone()).collect(),
+            new_parts: new_parts.difference(&old_parts).copied().collect(),
+            ..EndpointChanges::default()
         };
+        let mut count = |name: &Option<String>, gone: bool| {
+            let Some(name) = name else { return };
+            let listings = match changes.names.get_mut(name) {
+                Some(listings) => listings,
+                None => changes.names.entry(name.clone()).or_default(),
+            };
+            if gone {
+                listings.gone += 1;
+            } else {
+                listings.new += 1;
+            }
+        };
+        for ep in gone.values() {
+            count(&ep.name, true);
+        }
         for ep in self
             .parts
             .iter()
             .filter(|p| !old_parts.contains(&ptr(p)))
             .flat_map(|p| p.iter())
         {
-            if let Some(name) = &ep.name {
-                if !changes.names.contains(name) {
-                    changes.names.insert(name.clone());
-                }
-            }
+            count(&ep.name, false);
             match gone.remove(&(ep.address, ep.port)) {
                 Some(before) if before == ep => {}
                 Some(before) => {
@@ -133,8 +155,24 @@ pub(crate) struct EndpointChanges {
     pub added: Vec<EndpointSpec>,
     /// The names listed by the parts that changed, old and new (an
     /// endpoint that moved unchanged included: it may move its name's
-    /// first listing). Only these names' workloads can have changed.
-    pub names: std::collections::HashSet<String>,
+    /// first listing), and how often each part lists them. Only these
+    /// names' workloads can have changed.
+    pub names: HashMap<String, NameListings>,
+    /// The parts new in this version ([`part_id`]).
+    pub new_parts: HashSet<usize>,
+}
+
+/// How often the parts a change dropped, and those it added, list a name.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct NameListings {
+    pub gone: u32,
+    pub new: u32,
+}
+
+/// A part's identity while it is alive (two versions of a list share a
+/// part by pointer).
+fn part_id(part: &Arc<[EndpointSpec]>) -> usize {
+    Arc::as_ptr(part) as *const EndpointSpec as usize
 }
 
 impl From<Vec<EndpointSpec>> for EndpointList {

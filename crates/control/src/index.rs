@@ -227,7 +227,7 @@ struct Inner {
     routing: HashMap<ServiceKey, watch::Sender<RoutingState>>,
     /// Each named workload's labels, per service that lists it (so one
     /// service's change updates only its own share).
-    workloads: HashMap<WorkloadKey, BTreeMap<ServiceKey, Labels>>,
+    workloads: HashMap<WorkloadKey, BTreeMap<ServiceKey, Share>>,
     /// One slot per workload an inbound policy stream follows: its labels,
     /// or `None` while no service lists it.
     workload_slots: HashMap<WorkloadKey, watch::Sender<WorkloadState>>,
@@ -240,16 +240,42 @@ struct Inner {
 /// it.
 pub type WorkloadState = Option<Labels>;
 
-/// The named endpoints of a service and their labels (the first listing
-/// of a name wins, as for addresses).
-fn named_labels(state: Option<&ServiceState>) -> BTreeMap<&str, &Labels> {
+/// What one service gives a workload it lists: the labels of the name's
+/// first listing, and how often the service lists the name.
+#[derive(Debug, Clone, PartialEq)]
+struct Share {
+    labels: Labels,
+    listings: u32,
+}
+
+/// The named endpoints of a service: each name's labels (the first listing
+/// of a name wins, as for addresses) and how often it is listed.
+fn named_listings(state: Option<&ServiceState>) -> BTreeMap<&str, (&Labels, u32)> {
     let mut named = BTreeMap::new();
     for ep in state.into_iter().flat_map(|s| &s.endpoints) {
         if let Some(name) = &ep.name {
-            named.entry(name.as_str()).or_insert(&ep.labels);
+            named.entry(name.as_str()).or_insert((&ep.labels, 0)).1 += 1;
         }
     }
     named
+}
+
+/// The labels of each of `wanted`'s first listing in `endpoints`, looking
+/// no further than the last one found.
+fn first_listings<'a>(
+    endpoints: impl Iterator<Item = &'a EndpointSpec>,
+    wanted: &HashSet<&str>,
+) -> HashMap<&'a str, &'a Labels> {
+    let mut first = HashMap::with_capacity(wanted.len());
+    for ep in endpoints {
+        if first.len() == wanted.len() {
+            break;
+        }
+        if let Some(name) = ep.name.as_deref().filter(|n| wanted.contains(n)) {
+            first.entry(name).or_insert(&ep.labels);
+        }
+    }
+    first
 }
 
 /// A service as routing sees it: its state without endpoints.
@@ -636,6 +662,24 @@ impl Index {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Every workload's share of every service that lists it (labels, and
+    /// how often it is listed), for tests of the incremental updates.
+    #[cfg(test)]
+    pub(crate) fn workload_shares(&self) -> BTreeMap<(String, String), (Labels, u32)> {
+        let inner = self.inner.lock().unwrap();
+        let mut all = BTreeMap::new();
+        for (workload, shares) in &inner.workloads {
+            for (service, share) in shares {
+                let key = (
+                    format!("{}/{}", workload.namespace, workload.name),
+                    service.to_string(),
+                );
+                all.insert(key, (share.labels.clone(), share.listings));
+            }
+        }
+        all
+    }
+
     /// Drops slots that no subscriber watches any more.
     pub fn collect_garbage(&self) {
         let mut inner = self.inner.lock().unwrap();
@@ -657,7 +701,7 @@ impl Inner {
         let shares = self.workloads.get(key)?;
         let mut labels = Labels::new();
         for share in shares.values() {
-            for (k, v) in share {
+            for (k, v) in &share.labels {
                 labels.entry(k.clone()).or_insert_with(|| v.clone());
             }
         }
@@ -666,91 +710,109 @@ impl Inner {
 
     /// Records what `service`'s new state says about its named workloads
     /// (called before the state replaces the old one) and republishes the
-    /// workloads whose labels changed. Endpoint churn that keeps names and
-    /// labels costs one comparison.
+    /// workloads whose labels changed. Endpoint churn that keeps names,
+    /// labels and how often each name is listed costs one comparison.
     fn update_workloads(&mut self, service: &ServiceKey, state: Option<&ServiceState>) {
-        let old = named_labels(self.services.get(service));
-        let new = named_labels(state);
+        let old = named_listings(self.services.get(service));
+        let new = named_listings(state);
         if old == new {
             return;
         }
-        let names: BTreeSet<String> = old
-            .iter()
-            .filter(|(name, labels)| new.get(*name) != Some(*labels))
-            .map(|(name, _)| name.to_string())
+        let shares: Vec<(String, Option<Share>)> = old
+            .keys()
+            .filter(|name| !new.contains_key(*name))
+            .map(|name| (name.to_string(), None))
             .chain(
                 new.iter()
-                    .filter(|(name, labels)| old.get(*name) != Some(*labels))
-                    .map(|(name, _)| name.to_string()),
+                    .filter(|(name, share)| old.get(*name) != Some(*share))
+                    .map(|(name, (labels, listings))| {
+                        let share = Share {
+                            labels: (*labels).clone(),
+                            listings: *listings,
+                        };
+                        (name.to_string(), Some(share))
+                    }),
             )
             .collect();
-        let new: BTreeMap<String, Labels> = names
-            .iter()
-            .filter_map(|n| new.get(n.as_str()).map(|l| (n.clone(), (*l).clone())))
-            .collect();
-        self.set_workload_shares(service, new, names);
+        self.set_workload_shares(service, shares);
     }
 
     /// As [`Inner::update_workloads`], when the new state differs from the
     /// old by `changes` alone: only the names the changed parts list can
-    /// have changed, each looked up in the new state (its first listing
-    /// wins) and against what the service gave it before. A change to one
-    /// slice of a service of 100,000 named endpoints no longer compares
-    /// every name of the service twice over.
+    /// have changed. How often the service lists each (kept with its
+    /// share) tells which are gone without a look at the list, and which
+    /// the new parts alone list; the others' first listing is looked up in
+    /// the whole list. A pod replaced in one slice of a service of 100,000
+    /// named endpoints costs that slice.
     fn update_workload_names(
         &mut self,
         service: &ServiceKey,
         state: Option<&ServiceState>,
         changes: &EndpointChanges,
     ) {
-        let touched: HashSet<&str> = changes.names.iter().map(String::as_str).collect();
-        let mut first: HashMap<&str, &Labels> = HashMap::with_capacity(touched.len());
-        for ep in state.into_iter().flat_map(|s| &s.endpoints) {
-            if first.len() == touched.len() {
-                break;
-            }
-            if let Some(name) = ep.name.as_deref().filter(|n| touched.contains(n)) {
-                first.entry(name).or_insert(&ep.labels);
-            }
-        }
-        let mut names = BTreeSet::new();
-        let mut new = BTreeMap::new();
-        for name in touched {
+        let mut listings: Vec<(&str, u32)> = Vec::with_capacity(changes.names.len());
+        let (mut in_new_parts, mut anywhere) = (HashSet::new(), HashSet::new());
+        for (name, listed) in &changes.names {
             let key = WorkloadKey {
                 namespace: service.namespace.clone(),
-                name: name.to_string(),
+                name: name.clone(),
             };
-            let old = self.workloads.get(&key).and_then(|s| s.get(service));
-            let now = first.get(name).copied();
-            if old != now {
-                if let Some(labels) = now {
-                    new.insert(key.name.clone(), labels.clone());
-                }
-                names.insert(key.name);
+            let had = self
+                .workloads
+                .get(&key)
+                .and_then(|s| s.get(service))
+                .map_or(0, |s| s.listings);
+            debug_assert!(had >= listed.gone, "{name}: {had} listings, {listed:?}");
+            let now = (had + listed.new).saturating_sub(listed.gone);
+            // None left: gone, nothing to look up.
+            if now > 0 && now == listed.new {
+                in_new_parts.insert(name.as_str());
+            } else if now > 0 {
+                anywhere.insert(name.as_str());
             }
+            listings.push((name, now));
         }
-        self.set_workload_shares(service, new, names);
+        let first = match state {
+            None => HashMap::new(),
+            // Once any name is looked for in the whole list, look for all.
+            Some(state) if anywhere.is_empty() => first_listings(
+                state.endpoints.endpoints_of_parts(&changes.new_parts),
+                &in_new_parts,
+            ),
+            Some(state) => {
+                anywhere.extend(in_new_parts);
+                first_listings(state.endpoints.iter(), &anywhere)
+            }
+        };
+        let shares = listings
+            .into_iter()
+            .map(|(name, listings)| {
+                let share = first.get(name).map(|labels| Share {
+                    labels: (*labels).clone(),
+                    listings,
+                });
+                (name.to_string(), share)
+            })
+            .collect();
+        self.set_workload_shares(service, shares);
     }
 
-    /// Sets what `service` gives each of `names` (`new`'s labels, or
-    /// nothing when `new` lacks the name) and republishes those workloads.
-    fn set_workload_shares(
-        &mut self,
-        service: &ServiceKey,
-        new: BTreeMap<String, Labels>,
-        names: BTreeSet<String>,
-    ) {
-        for name in names {
+    /// Sets what `service` gives each named workload (its share, or nothing)
+    /// and republishes those whose labels changed.
+    fn set_workload_shares(&mut self, service: &ServiceKey, shares: Vec<(String, Option<Share>)>) {
+        for (name, share) in shares {
             let key = WorkloadKey {
                 namespace: service.namespace.clone(),
                 name,
             };
-            match new.get(&key.name) {
-                Some(labels) => {
+            let old = self.workloads.get(&key).and_then(|s| s.get(service));
+            let relabelled = old.map(|s| &s.labels) != share.as_ref().map(|s| &s.labels);
+            match share {
+                Some(share) => {
                     self.workloads
                         .entry(key.clone())
                         .or_default()
-                        .insert(service.clone(), labels.clone());
+                        .insert(service.clone(), share);
                 }
                 None => {
                     if let Some(shares) = self.workloads.get_mut(&key) {
@@ -761,6 +823,9 @@ impl Inner {
                         }
                     }
                 }
+            }
+            if !relabelled {
+                continue;
             }
             if let Some(slot) = self.workload_slots.get(&key) {
                 let current = self.workload_labels(&key);
@@ -1152,6 +1217,11 @@ mod tests {
                     );
                     assert_eq!(*w.borrow(), want, "watched: seed {seed} step {step} {n}");
                 }
+                assert_eq!(
+                    index.workload_shares(),
+                    fresh.workload_shares(),
+                    "shares: seed {seed} step {step}: {log:?}"
+                );
             }
         }
     }

@@ -2150,11 +2150,16 @@ mod tests {
         world.services.insert(key_of(&svc), svc);
         // Each endpoint names its pod, as the EndpointSlice controller's
         // do (the pods themselves are not in this world: names, no labels).
-        let huge_slice = |k: usize, ready: bool| {
+        // `replaced`: its first pod replaced that often (a new name, a new
+        // address), as in a rollout.
+        let huge_slice_of = |k: usize, ready: bool, replaced: usize| {
             let endpoints = (0..100)
                 .map(|e| {
-                    let target = ("Pod", None, format!("huge-{k}-{e}"));
-                    endpoint((1 << 22) | (k * 100 + e), ready || e > 0, Some(target))
+                    let (name, address) = match (e, replaced) {
+                        (0, r) if r > 0 => (format!("huge-{k}-0-{r}"), (2 << 22) | (r * 1000 + k)),
+                        _ => (format!("huge-{k}-{e}"), (1 << 22) | (k * 100 + e)),
+                    };
+                    endpoint(address, ready || e > 0, Some(("Pod", None, name)))
                 })
                 .collect();
             slice(
@@ -2164,6 +2169,7 @@ mod tests {
                 endpoints,
             )
         };
+        let huge_slice = |k: usize, ready: bool| huge_slice_of(k, ready, 0);
         for k in 0..huge_slices {
             on_slices(&mut world, &mut relist, Event::Apply(huge_slice(k, true)));
         }
@@ -2188,9 +2194,26 @@ mod tests {
         }
         let with_index = started.elapsed() / changes as u32;
         assert_eq!(index.snapshot(&slot, 80).endpoints.len(), huge_slices * 100);
+        // A rollout: one pod of a slice replaced, late in the list (its
+        // old name is listed nowhere else).
+        let started = Instant::now();
+        for i in 0..changes {
+            let e = Event::Apply(huge_slice_of(huge_slices - 1 - i, true, 1));
+            for k in on_slices(&mut world, &mut relist, e).into_keys() {
+                index.set_service(&k, world.state(&k, "cluster.local"));
+            }
+        }
+        let replaced = started.elapsed() / changes as u32;
+        assert_eq!(index.snapshot(&slot, 80).endpoints.len(), huge_slices * 100);
+        let gone = tether_core::policy::WorkloadKey {
+            namespace: "big".into(),
+            name: format!("huge-{}-0", huge_slices - 1),
+        };
+        assert_eq!(index.workload(&gone), None);
         eprintln!(
             "a service of {} endpoints in {huge_slices} slices: a slice change {registry_only:?} \
-             in the registry, {with_index:?} with the index and a subscriber",
+             in the registry, {with_index:?} with the index and a subscriber; a pod replaced \
+             {replaced:?} with the index",
             huge_slices * 100,
         );
     }
@@ -2414,6 +2437,7 @@ mod tests {
                     for (w, rx) in &wsubs {
                         prop_assert_eq!(&*rx.borrow(), &fresh_index.workload(w), "workload watch {:?}", w);
                     }
+                    prop_assert_eq!(index.workload_shares(), fresh_index.workload_shares());
                     for (slot, port, _) in &subs {
                         prop_assert!(index.check_slot(slot, *port).1, "slot {:?}:{} disagrees", slot, port);
                     }
