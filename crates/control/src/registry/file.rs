@@ -2577,11 +2577,13 @@ mod write_patterns {
         weight
     }
 
-    async fn start(dir: &Path) -> (tokio::task::JoinHandle<Result<(), RegistryError>>, Index) {
+    async fn start(
+        dir: &Path,
+        rescan: Duration,
+    ) -> (tokio::task::JoinHandle<Result<(), RegistryError>>, Index) {
         let metrics = ControlMetrics::default();
         let index = Index::new(metrics.clone());
-        let registry =
-            FileRegistry::new(dir, metrics).with_rescan_interval(Duration::from_secs(600));
+        let registry = FileRegistry::new(dir, metrics).with_rescan_interval(rescan);
         let (tx, rx) = tokio::sync::oneshot::channel();
         let task = tokio::spawn(registry.run(
             index.clone(),
@@ -2613,7 +2615,7 @@ mod write_patterns {
                 .unwrap();
             }
         }
-        let (task, index) = start(dir.path()).await;
+        let (task, index) = start(dir.path(), Duration::from_secs(600)).await;
         let stop = Arc::new(AtomicBool::new(false));
         let (idx, st) = (index.clone(), stop.clone());
         let observer = std::thread::spawn(move || {
@@ -2689,7 +2691,7 @@ mod write_patterns {
         let victim = dir.path().join("victim.yaml");
         let vtext = "kind: Service\nname: victim\nports: [{port: 80}]\n";
         std::fs::write(&victim, vtext).unwrap();
-        let (task, index) = start(dir.path()).await;
+        let (task, index) = start(dir.path(), Duration::from_secs(600)).await;
         let key = ServiceKey::new("victim", "default");
         let stop = Arc::new(AtomicBool::new(false));
         let (d, st) = (dir.path().to_path_buf(), stop.clone());
@@ -2784,18 +2786,7 @@ mod write_patterns {
             let hidden = elsewhere.path().join("s1.txt");
             std::fs::write(&hidden, svc_text(1, 1)).unwrap();
             std::fs::hard_link(&hidden, dir.path().join("s1.yaml")).unwrap();
-            let metrics = ControlMetrics::default();
-            let index = Index::new(metrics.clone());
-            let registry = FileRegistry::new(dir.path(), metrics)
-                .with_rescan_interval(Duration::from_millis(200));
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let task = tokio::spawn(registry.run(
-                index.clone(),
-                Box::new(move || {
-                    let _ = tx.send(());
-                }),
-            ));
-            rx.await.unwrap();
+            let (task, index) = start(dir.path(), Duration::from_millis(200)).await;
             let stop = Arc::new(AtomicBool::new(false));
             let st = stop.clone();
             let writer = std::thread::spawn(move || {
