@@ -791,6 +791,10 @@ enum Arrival {
     Whole,
     /// Being written: more may follow.
     Written,
+    /// Created, and being written: perhaps the second half of a
+    /// replacement (`install` and vim unlink or rename the old file, then
+    /// create the new one).
+    Created,
     /// Removed or renamed away: perhaps half of a replacement.
     Gone,
 }
@@ -1005,11 +1009,12 @@ struct Batch {
     targets: BTreeSet<PathBuf>,
     /// An event asked for a full rescan.
     rescan: bool,
-    /// Files whose last event said they went away, within their hold when
-    /// the batch hit [`HOLD_MAX`], each with that event's time, and not
-    /// carried into this batch: they are left out of it and open the
-    /// next. So a removal late in a batch held open by other files still
-    /// waits for its replacement, and is applied within two caps.
+    /// Files being replaced (gone or created since they were last whole),
+    /// within their hold when the batch hit [`HOLD_MAX`], each with its
+    /// last event's time, and not carried into this batch: they are left
+    /// out of it and open the next. So a removal late in a batch held open
+    /// by other files still waits for its replacement, and is applied
+    /// within two caps.
     carried: Vec<(Change, tokio::time::Instant)>,
     /// When its first change was seen (for the publish-latency metric).
     observed_at: std::time::Instant,
@@ -1179,6 +1184,8 @@ fn arrival(kind: &notify::EventKind, i: usize) -> Arrival {
     let both = matches!(kind, EventKind::Modify(ModifyKind::Name(RenameMode::Both)));
     if is_whole(kind) || (both && i == 1) {
         Arrival::Whole
+    } else if matches!(kind, EventKind::Create(_)) {
+        Arrival::Created
     } else if both
         || matches!(
             kind,
@@ -1197,10 +1204,11 @@ fn arrival(kind: &notify::EventKind, i: usize) -> Arrival {
 /// the batch a [`HOLD`] after its event, until an event says it is whole
 /// again (closed after writing, renamed in); the batch waits at most
 /// [`HOLD_MAX`] after it opened, so a stream of them cannot hold it
-/// forever. Those then still gone within their hold are carried into the
-/// next batch once ([`Batch::carried`]); a file being written is read as
-/// it is (a file written without pause cannot be waited for, and what
-/// does not parse leaves its last good state in force).
+/// forever. Those then still being replaced (gone or created since they
+/// were last whole) within their hold are carried into the next batch
+/// once ([`Batch::carried`]); a file only written in place is read as it
+/// is (a file written without pause cannot be waited for, and what does
+/// not parse leaves its last good state in force).
 #[derive(Default)]
 struct Holds {
     pending: HashMap<PathBuf, Pending>,
@@ -1214,8 +1222,9 @@ struct Pending {
     at: tokio::time::Instant,
     /// A link target's change, not a registry file's.
     target: bool,
-    /// Its last event said it went away.
-    gone: bool,
+    /// Gone or created since it was last whole: being replaced, and
+    /// neither its absence nor a half-written new file is to go out.
+    replacing: bool,
 }
 
 impl Holds {
@@ -1225,17 +1234,21 @@ impl Holds {
             Change::Target { path, state } => (path, *state, true),
             Change::Rescan => return,
         };
-        let gone = state == Arrival::Gone;
+        let replacing = matches!(state, Arrival::Gone | Arrival::Created);
         match self.pending.get_mut(path) {
             _ if state == Arrival::Whole => {
                 self.pending.remove(path);
             }
             Some(pending) => {
                 pending.at = at;
-                pending.gone = gone;
+                pending.replacing |= replacing;
             }
             None => {
-                let pending = Pending { at, target, gone };
+                let pending = Pending {
+                    at,
+                    target,
+                    replacing,
+                };
                 self.pending.insert(path.clone(), pending);
             }
         }
@@ -1260,14 +1273,14 @@ impl Holds {
         }
     }
 
-    /// The files gone and still held at `now` (the batch hit
-    /// [`HOLD_MAX`]) that were not carried before, as changes that open the
-    /// next batch, in a stable order.
+    /// The files being replaced and still held at `now` (the batch hit
+    /// [`HOLD_MAX`]) that were not carried into this batch, as changes that
+    /// open the next batch, in a stable order.
     fn unfinished(self, now: tokio::time::Instant) -> Vec<(Change, tokio::time::Instant)> {
         let mut unfinished: Vec<_> = self
             .pending
             .into_iter()
-            .filter(|(path, p)| p.gone && !self.carried.contains(path) && p.at + HOLD > now)
+            .filter(|(path, p)| p.replacing && !self.carried.contains(path) && p.at + HOLD > now)
             .map(|(path, p)| {
                 let state = Arrival::Gone;
                 let change = if p.target {
@@ -1956,7 +1969,7 @@ mod tests {
         let written = EventKind::Modify(ModifyKind::Data(DataChange::Any));
         assert_eq!(arrival(&written, 1), Arrival::Written);
         let created = EventKind::Create(CreateKind::File);
-        assert_eq!(arrival(&created, 0), Arrival::Written);
+        assert_eq!(arrival(&created, 0), Arrival::Created);
         let renamed_in = EventKind::Modify(ModifyKind::Name(RenameMode::To));
         assert_eq!(arrival(&renamed_in, 0), Arrival::Whole);
         let renamed_out = EventKind::Modify(ModifyKind::Name(RenameMode::From));
@@ -1965,7 +1978,7 @@ mod tests {
         assert_eq!(arrival(&removed, 0), Arrival::Gone);
     }
 
-    use Arrival::{Gone, Whole, Written};
+    use Arrival::{Created, Gone, Whole, Written};
 
     /// Sends `events` (milliseconds after the start, path, what the event
     /// says) as the watcher would, on paused time; an absolute path is a
@@ -2059,6 +2072,41 @@ mod tests {
                 .map(Path::new)
                 .into()
         );
+        assert!(next.carried.is_empty(), "{:?}", next.carried);
+    }
+
+    /// A file removed and created again, or created new, and still being
+    /// written at the cap is carried too: read then, it would be empty or
+    /// half written, and its services would go out as gone or cut (found
+    /// by a second hostile review). A file only written in place is read
+    /// at the cap as it is.
+    #[tokio::test(start_paused = true)]
+    async fn a_file_being_replaced_at_the_cap_is_carried() {
+        let mut events: Vec<_> = (0..61).map(|i| (3 * i, "x.yaml", Written)).collect();
+        events.extend([
+            (40, "web.yaml", Gone),
+            (46, "web.yaml", Written),
+            (44, "new.yaml", Created),
+            (45, "new.yaml", Written),
+            (47, "edited.yaml", Written),
+            (58, "web.yaml", Whole),
+            (59, "new.yaml", Whole),
+            (60, "edited.yaml", Whole),
+        ]);
+        events.sort_by_key(|e| e.0);
+        let mut rx = send_at(events);
+        let first = rx.recv().await.unwrap();
+        let batch = gather(&mut rx, Opening::Received(first), None).await;
+        let carried: Vec<&Path> = carried_paths(&batch).into_iter().map(|(p, _)| p).collect();
+        assert_eq!(carried, [Path::new("new.yaml"), Path::new("web.yaml")]);
+        let loaded = Loaded::default();
+        let read = batch.files(&loaded, None);
+        assert!(read.contains(Path::new("edited.yaml")) && read.contains(Path::new("x.yaml")));
+        assert!(!read.contains(Path::new("web.yaml")) && !read.contains(Path::new("new.yaml")));
+        let opened = tokio::time::Instant::now();
+        let next = gather(&mut rx, Opening::Carried(batch.carried), Some(opened)).await;
+        let read = next.files(&loaded, None);
+        assert!(read.contains(Path::new("web.yaml")) && read.contains(Path::new("new.yaml")));
         assert!(next.carried.is_empty(), "{:?}", next.carried);
     }
 
