@@ -679,7 +679,9 @@ impl World {
                 let meshed = pod.is_some_and(|p| p.meshed);
                 let identity = pod.filter(|_| meshed).map(|p| {
                     let sa = p.service_account.as_deref().unwrap_or("default");
-                    tether_identity::identity_name(sa, &key.namespace, trust_domain)
+                    // The pod's account, in the pod's namespace (a slice may
+                    // name a pod of another).
+                    tether_identity::identity_name(sa, &p.namespace, trust_domain)
                 });
                 let zone = ep.zone.clone().or_else(|| {
                     ep.hints
@@ -1996,6 +1998,29 @@ mod tests {
         // Without the proxy's container: not meshed, no identity.
         let ep = &endpoints(PodFacts::of(plain))[0];
         assert!(!ep.meshed && ep.identity.is_none(), "{ep:?}");
+
+        // A slice naming a pod of another namespace: the identity is that
+        // pod's account in its own namespace.
+        let mut world = World::default();
+        let svc = service("a", "web".into());
+        world.services.insert(key_of(&svc), svc);
+        let elsewhere = PodFacts::of(pod_as_sent("b", "web-1"));
+        world.pods.insert(key_of(&elsewhere), elsewhere);
+        let target = Some(("Pod", Some("b"), "web-1".to_string()));
+        let s = slice(
+            "a",
+            "web-x".into(),
+            Some("web".into()),
+            vec![endpoint(1, true, target)],
+        );
+        world.slices.insert(key_of(&s), s.clone());
+        world.slices_changed(vec![key_of(&s)]);
+        let state = world.state(&ServiceKey::new("web", "a"), "cluster.local");
+        let ep = &state.expect("a service").endpoints[0];
+        assert_eq!(
+            ep.identity.as_deref(),
+            Some("web.b.serviceaccount.identity.cluster.local")
+        );
     }
 
     /// What 20,000 Pods cost held as sent, and as the registry keeps them:
