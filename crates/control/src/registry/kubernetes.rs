@@ -1917,6 +1917,60 @@ mod tests {
         .expect("a Pod")
     }
 
+    /// A skipped status update, then a Delete naming the newer version, a
+    /// Pod created again with the same facts, and full lists that see a new
+    /// time only, new labels, or no Pod: each touches what it should. A
+    /// whole object is never skipped. (From a hostile review of the facts.)
+    #[test]
+    fn pod_updates_deletes_and_lists_over_facts() {
+        let facts = |g: usize, at: &str| {
+            let mut p = pod("a", "web-1".into(), g);
+            let at = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at.parse().unwrap());
+            p.metadata.creation_timestamp = Some(at);
+            PodFacts::of(p)
+        };
+        let key = ("a".to_string(), "web-1".to_string());
+        let just_it = vec![key.clone()];
+        let (mut pods, mut relist) = (HashMap::new(), None);
+        let run = |pods: &mut HashMap<_, _>, relist: &mut Option<_>, e| {
+            let mut touched = Vec::new();
+            apply(pods, relist, e, &mut touched);
+            touched
+        };
+        let created = Event::Apply(facts(0, "2026-12-01T10:00:00Z"));
+        assert_eq!(run(&mut pods, &mut relist, created), just_it);
+        // A status update: skipped, the held time is the old one.
+        let update = Event::Apply(facts(0, "2026-12-01T10:05:00Z"));
+        assert!(run(&mut pods, &mut relist, update).is_empty());
+        let held = pods[&key].changed_at.unwrap().to_string();
+        assert_eq!(held, "2026-12-01T10:00:00Z");
+        // Deleted after the skipped update (the Delete names the newer one).
+        let deleted = Event::Delete(facts(0, "2026-12-01T10:05:00Z"));
+        assert_eq!(run(&mut pods, &mut relist, deleted), just_it);
+        assert!(pods.is_empty());
+        // Created again, same name, same facts: taken up.
+        let again = Event::Apply(facts(0, "2026-12-01T10:06:00Z"));
+        assert_eq!(run(&mut pods, &mut relist, again), just_it);
+        for (listed, want) in [
+            (Some(facts(0, "2026-12-01T11:00:00Z")), vec![]),
+            (Some(facts(1, "2026-12-01T11:00:00Z")), vec![key.clone()]),
+            (None, vec![key.clone()]),
+        ] {
+            let mut touched = run(&mut pods, &mut relist, Event::Init);
+            if let Some(f) = listed {
+                touched.extend(run(&mut pods, &mut relist, Event::InitApply(f)));
+            }
+            touched.extend(run(&mut pods, &mut relist, Event::InitDone));
+            assert_eq!(touched, want);
+        }
+        assert!(pods.is_empty());
+        let svc = service("a", "web".into());
+        let mut services = HashMap::from([(key_of(&svc), svc.clone())]);
+        let mut touched = Vec::new();
+        apply(&mut services, &mut None, Event::Apply(svc), &mut touched);
+        assert_eq!(touched.len(), 1);
+    }
+
     /// A Pod's facts give the endpoints the Pod as sent says (identity,
     /// meshed, labels, name) and the time of its last change; a status
     /// update changes nothing the registry keeps, and touches nothing.
@@ -2383,7 +2437,11 @@ mod tests {
             if g % 3 == 2 {
                 spec.containers[0].name = "app".into();
             }
-            PodFacts::of(pd)
+            // Every event a new version (a status update when its facts
+            // are those held), so the skip runs with times that differ.
+            let mut facts = PodFacts::of(pd);
+            facts.changed_at = Some(k8s_openapi::jiff::Timestamp::now());
+            facts
         }
 
         fn sl_obj(spec: &SSpec) -> EndpointSlice {
