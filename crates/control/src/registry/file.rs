@@ -2004,6 +2004,22 @@ mod tests {
         rx
     }
 
+    /// The first batch of `events` beside a file written in place every
+    /// 3 ms from 0 to 180 ms and never closed (`x.yaml`, holding every
+    /// batch to its cap), how long it took, and the receiver for the rest.
+    async fn first_batch_beside_a_writer(
+        extra: Vec<(u64, &'static str, Arrival)>,
+    ) -> (Batch, Duration, mpsc::Receiver<Change>) {
+        let mut events: Vec<_> = (0..61).map(|i| (3 * i, "x.yaml", Written)).collect();
+        events.extend(extra);
+        events.sort_by_key(|e| e.0);
+        let mut rx = send_at(events);
+        let first = rx.recv().await.unwrap();
+        let start = tokio::time::Instant::now();
+        let batch = gather(&mut rx, Opening::Received(first), None).await;
+        (batch, start.elapsed(), rx)
+    }
+
     fn named_in(batch: &Batch) -> BTreeSet<&Path> {
         batch
             .files
@@ -2027,25 +2043,19 @@ mod tests {
     /// are read at the cap as they are.
     #[tokio::test(start_paused = true)]
     async fn a_file_gone_at_the_cap_opens_the_next_batch() {
-        // x.yaml written every 3 ms from 0 to 180 ms and never closed;
         // a.yaml unlinked at 45 ms and created again whole at 53 ms; a
         // link target written at 47 ms, closed at 60; c.yaml renamed away
         // at 20 ms, its hold run out by the cap.
-        let mut events: Vec<_> = (0..61).map(|i| (3 * i, "x.yaml", Written)).collect();
-        events.extend([
+        let (batch, took, mut rx) = first_batch_beside_a_writer(vec![
             (20, "c.yaml", Gone),
             (45, "a.yaml", Gone),
             (47, "/elsewhere/t.yaml", Written),
             (53, "a.yaml", Whole),
             (60, "/elsewhere/t.yaml", Whole),
             (61, "b.yaml", Whole),
-        ]);
-        events.sort_by_key(|e| e.0);
-        let mut rx = send_at(events);
-        let first = rx.recv().await.unwrap();
-        let start = tokio::time::Instant::now();
-        let batch = gather(&mut rx, Opening::Received(first), None).await;
-        assert_eq!(start.elapsed(), HOLD_MAX);
+        ])
+        .await;
+        assert_eq!(took, HOLD_MAX);
         assert_eq!(
             named_in(&batch),
             ["x.yaml", "c.yaml", "a.yaml", "/elsewhere/t.yaml"]
@@ -2082,8 +2092,7 @@ mod tests {
     /// at the cap as it is.
     #[tokio::test(start_paused = true)]
     async fn a_file_being_replaced_at_the_cap_is_carried() {
-        let mut events: Vec<_> = (0..61).map(|i| (3 * i, "x.yaml", Written)).collect();
-        events.extend([
+        let (batch, took, mut rx) = first_batch_beside_a_writer(vec![
             (40, "web.yaml", Gone),
             (46, "web.yaml", Written),
             (44, "new.yaml", Created),
@@ -2092,11 +2101,9 @@ mod tests {
             (58, "web.yaml", Whole),
             (59, "new.yaml", Whole),
             (60, "edited.yaml", Whole),
-        ]);
-        events.sort_by_key(|e| e.0);
-        let mut rx = send_at(events);
-        let first = rx.recv().await.unwrap();
-        let batch = gather(&mut rx, Opening::Received(first), None).await;
+        ])
+        .await;
+        assert_eq!(took, HOLD_MAX);
         let carried: Vec<&Path> = carried_paths(&batch).into_iter().map(|(p, _)| p).collect();
         assert_eq!(carried, [Path::new("new.yaml"), Path::new("web.yaml")]);
         let loaded = Loaded::default();

@@ -1976,12 +1976,14 @@ mod tests {
     /// update changes nothing the registry keeps, and touches nothing.
     #[test]
     fn a_pod_keeps_what_the_registry_reads() {
-        let endpoints = |pod: PodFacts| {
+        // The endpoints of a slice of web in `a` naming `pod` (its
+        // reference's namespace `pod_ns`, or none: the slice's).
+        let endpoints_naming = |pod: PodFacts, pod_ns: Option<&str>| {
             let mut world = World::default();
             let svc = service("a", "web".into());
             world.services.insert(key_of(&svc), svc);
             world.pods.insert(key_of(&pod), pod);
-            let target = Some(("Pod", None, "web-1".to_string()));
+            let target = Some(("Pod", pod_ns, "web-1".to_string()));
             let s = slice(
                 "a",
                 "web-x".into(),
@@ -2004,7 +2006,7 @@ mod tests {
             facts.changed_at.map(|t| t.to_string()),
             Some("2026-12-01T10:00:07Z".into())
         );
-        let from_facts = endpoints(facts.clone());
+        let from_facts = endpoints_naming(facts.clone(), None);
         let ep = &from_facts[0];
         assert!(ep.meshed, "{ep:?}");
         assert_eq!(
@@ -2050,27 +2052,13 @@ mod tests {
             assert_eq!(touched, [key_of(&facts)]);
         }
         // Without the proxy's container: not meshed, no identity.
-        let ep = &endpoints(PodFacts::of(plain))[0];
+        let ep = &endpoints_naming(PodFacts::of(plain), None)[0];
         assert!(!ep.meshed && ep.identity.is_none(), "{ep:?}");
 
         // A slice naming a pod of another namespace: the identity is that
         // pod's account in its own namespace.
-        let mut world = World::default();
-        let svc = service("a", "web".into());
-        world.services.insert(key_of(&svc), svc);
         let elsewhere = PodFacts::of(pod_as_sent("b", "web-1"));
-        world.pods.insert(key_of(&elsewhere), elsewhere);
-        let target = Some(("Pod", Some("b"), "web-1".to_string()));
-        let s = slice(
-            "a",
-            "web-x".into(),
-            Some("web".into()),
-            vec![endpoint(1, true, target)],
-        );
-        world.slices.insert(key_of(&s), s.clone());
-        world.slices_changed(vec![key_of(&s)]);
-        let state = world.state(&ServiceKey::new("web", "a"), "cluster.local");
-        let ep = &state.expect("a service").endpoints[0];
+        let ep = &endpoints_naming(elsewhere, Some("b"))[0];
         assert_eq!(
             ep.identity.as_deref(),
             Some("web.b.serviceaccount.identity.cluster.local")
