@@ -995,8 +995,8 @@ fn links_to<'a>(target: &Path, loaded: &'a Loaded) -> impl Iterator<Item = PathB
 enum Opening {
     /// A change just received after a quiet moment.
     Received(Change),
-    /// The files the last batch left incomplete at [`HOLD_MAX`], with
-    /// their last event's time.
+    /// The files the last batch left out at [`HOLD_MAX`], being replaced,
+    /// with their last event's time.
     Carried(Vec<(Change, tokio::time::Instant)>),
 }
 
@@ -1095,8 +1095,8 @@ async fn next_batch(
             _ = rescan.tick() => Some((Batch::opened(), true)),
         };
     }
-    // Carried files can open batch after batch (files written without
-    // pause, one after another): a rescan due meanwhile comes with them.
+    // Carried files can open batch after batch (a file replaced just
+    // before every cap): a rescan due meanwhile comes with them.
     let ticked = futures::FutureExt::now_or_never(rescan.tick()).is_some();
     let batch = gather(rx, Opening::Carried(carried), last_applied).await;
     Some((batch, ticked))
