@@ -33,7 +33,7 @@
 //! from its first listing. The result depends only on the files, never on
 //! the order events arrived in, so replicas agree.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -66,6 +66,10 @@ const COALESCE_WINDOW: Duration = Duration::from_millis(5);
 const HOLD: Duration = Duration::from_millis(10);
 /// How long a stream of such changes can hold a batch open.
 const HOLD_MAX: Duration = Duration::from_millis(50);
+/// How many batches in a row a file being replaced at the cap is carried
+/// into: twice covers a file replaced twice in quick succession, and
+/// bounds how long one replaced without pause waits (three caps).
+const CARRIES_IN_A_ROW: u8 = 2;
 /// Bound on queued watcher events; beyond it the registry rescans instead.
 const EVENT_QUEUE: usize = 4096;
 /// The largest registry file read by default: large enough for tens of
@@ -995,9 +999,19 @@ fn links_to<'a>(target: &Path, loaded: &'a Loaded) -> impl Iterator<Item = PathB
 enum Opening {
     /// A change just received after a quiet moment.
     Received(Change),
-    /// The files the last batch left out at [`HOLD_MAX`], being replaced,
-    /// with their last event's time.
-    Carried(Vec<(Change, tokio::time::Instant)>),
+    /// The files the last batch left out at [`HOLD_MAX`], being replaced.
+    Carried(Vec<Carried>),
+}
+
+/// A file left out of a batch at its cap, being replaced.
+#[derive(Debug)]
+struct Carried {
+    change: Change,
+    /// Its last event's time.
+    at: tokio::time::Instant,
+    /// How many batches in a row it has been carried into, this one
+    /// included.
+    times: u8,
 }
 
 /// One batch of changes ([`gather`]): what its events named, once each
@@ -1010,12 +1024,12 @@ struct Batch {
     /// An event asked for a full rescan.
     rescan: bool,
     /// Files being replaced (gone or created since they were last whole),
-    /// within their hold when the batch hit [`HOLD_MAX`], each with its
-    /// last event's time, and not carried into this batch: they are left
-    /// out of it and open the next. So a removal late in a batch held open
-    /// by other files still waits for its replacement, and is applied
-    /// within two caps.
-    carried: Vec<(Change, tokio::time::Instant)>,
+    /// within their hold when the batch hit [`HOLD_MAX`], and not carried
+    /// [`CARRIES_IN_A_ROW`] times already: they are left out of it and open
+    /// the next. So a removal late in a batch held open by other files
+    /// still waits for its replacement, and a file replaced without pause
+    /// is applied within three caps.
+    carried: Vec<Carried>,
     /// When its first change was seen (for the publish-latency metric).
     observed_at: std::time::Instant,
 }
@@ -1070,8 +1084,8 @@ impl Batch {
                     .cloned(),
             );
         }
-        for (change, _) in &self.carried {
-            for file in files_of(change, loaded) {
+        for carried in &self.carried {
+            for file in files_of(&carried.change, loaded) {
                 files.remove(&file);
             }
         }
@@ -1085,7 +1099,7 @@ impl Batch {
 /// gone.
 async fn next_batch(
     rx: &mut mpsc::Receiver<Change>,
-    carried: Vec<(Change, tokio::time::Instant)>,
+    carried: Vec<Carried>,
     last_applied: Option<tokio::time::Instant>,
     rescan: &mut tokio::time::Interval,
 ) -> Option<(Batch, bool)> {
@@ -1119,12 +1133,12 @@ async fn gather(
             batch.take(change);
         }
         Opening::Carried(carried) => {
-            if let Some(first) = carried.iter().map(|(_, at)| *at).min() {
+            if let Some(first) = carried.iter().map(|c| c.at).min() {
                 batch.observed_at = first.into_std();
             }
-            for (change, at) in carried {
-                holds.carry(&change, at);
-                batch.take(change);
+            for carried in carried {
+                holds.carry(&carried);
+                batch.take(carried.change);
             }
         }
     }
@@ -1205,17 +1219,19 @@ fn arrival(kind: &notify::EventKind, i: usize) -> Arrival {
 /// again (closed after writing, renamed in); the batch waits at most
 /// [`HOLD_MAX`] after it opened, so a stream of them cannot hold it
 /// forever. Those then still being replaced (gone or created since they
-/// were last whole) within their hold are carried into the next batch
-/// once ([`Batch::carried`]); a file only written in place is read as it
+/// were last whole) within their hold are carried into the next batch, at
+/// most [`CARRIES_IN_A_ROW`] times in a row ([`Batch::carried`]); a file
+/// only written in place is read as it
 /// is (a file written without pause cannot be waited for, and what does
 /// not parse leaves its last good state in force).
 #[derive(Default)]
 struct Holds {
     pending: HashMap<PathBuf, Pending>,
-    /// The files carried over from the last batch: not carried again,
-    /// whatever their events in this one (a file closed and written again
-    /// within every batch would otherwise never be applied).
-    carried: HashSet<PathBuf>,
+    /// The files carried over from the last batch, and how many batches in
+    /// a row they have been carried into: not carried again past
+    /// [`CARRIES_IN_A_ROW`], whatever their events (a file replaced within
+    /// every batch would otherwise never be applied).
+    carried: HashMap<PathBuf, u8>,
 }
 
 struct Pending {
@@ -1255,10 +1271,10 @@ impl Holds {
     }
 
     /// Takes up a file the last batch carried, as of its last event.
-    fn carry(&mut self, change: &Change, at: tokio::time::Instant) {
-        self.note(change, at);
-        if let Some(path) = changed_path(change) {
-            self.carried.insert(path.to_path_buf());
+    fn carry(&mut self, carried: &Carried) {
+        self.note(&carried.change, carried.at);
+        if let Some(path) = changed_path(&carried.change) {
+            self.carried.insert(path.to_path_buf(), carried.times);
         }
     }
 
@@ -1274,24 +1290,29 @@ impl Holds {
     }
 
     /// The files being replaced and still held at `now` (the batch hit
-    /// [`HOLD_MAX`]) that were not carried into this batch, as changes that
+    /// [`HOLD_MAX`]), unless carried [`CARRIES_IN_A_ROW`] times already, to
     /// open the next batch, in a stable order.
-    fn unfinished(self, now: tokio::time::Instant) -> Vec<(Change, tokio::time::Instant)> {
+    fn unfinished(self, now: tokio::time::Instant) -> Vec<Carried> {
         let mut unfinished: Vec<_> = self
             .pending
             .into_iter()
-            .filter(|(path, p)| p.replacing && !self.carried.contains(path) && p.at + HOLD > now)
-            .map(|(path, p)| {
+            .filter(|(_, p)| p.replacing && p.at + HOLD > now)
+            .filter_map(|(path, p)| {
+                let times = self.carried.get(&path).copied().unwrap_or(0) + 1;
                 let state = Arrival::Gone;
                 let change = if p.target {
                     Change::Target { path, state }
                 } else {
                     Change::File { path, state }
                 };
-                (change, p.at)
+                (times <= CARRIES_IN_A_ROW).then_some(Carried {
+                    change,
+                    at: p.at,
+                    times,
+                })
             })
             .collect();
-        unfinished.sort_by(|(a, _), (b, _)| changed_path(a).cmp(&changed_path(b)));
+        unfinished.sort_by(|a, b| changed_path(&a.change).cmp(&changed_path(&b.change)));
         unfinished
     }
 }
@@ -2033,7 +2054,7 @@ mod tests {
         batch
             .carried
             .iter()
-            .map(|(c, at)| (changed_path(c).unwrap(), at.elapsed()))
+            .map(|c| (changed_path(&c.change).unwrap(), c.at.elapsed()))
             .collect()
     }
 
@@ -2066,7 +2087,7 @@ mod tests {
         let ms = Duration::from_millis;
         assert_eq!(carried_paths(&batch), [(Path::new("a.yaml"), ms(5))]);
         assert!(matches!(
-            batch.carried[0].0,
+            batch.carried[0].change,
             Change::File { state: Gone, .. }
         ));
 
@@ -2117,6 +2138,39 @@ mod tests {
         assert!(next.carried.is_empty(), "{:?}", next.carried);
     }
 
+    /// A file replaced twice in quick succession while batches are held
+    /// to their caps: carried out of the batch of its first removal and,
+    /// replaced again late in the next, out of that one too; and a file
+    /// replaced before every cap is still applied within three caps (from
+    /// the second hostile review).
+    #[tokio::test(start_paused = true)]
+    async fn a_file_replaced_again_is_carried_again_a_bounded_number_of_times() {
+        let (batch, _, mut rx) = first_batch_beside_a_writer(vec![
+            (45, "a.yaml", Gone),
+            (53, "a.yaml", Whole),
+            (97, "a.yaml", Gone),
+            (106, "a.yaml", Whole),
+            (147, "a.yaml", Gone),
+            (148, "a.yaml", Created),
+            (156, "a.yaml", Whole),
+        ])
+        .await;
+        let (a, loaded) = (Path::new("a.yaml"), Loaded::default());
+        let (mut batch, mut read) = (batch, Vec::new());
+        for _ in 0..3 {
+            read.push(batch.files(&loaded, None).contains(a));
+            let opened = tokio::time::Instant::now();
+            let carried = Opening::Carried(batch.carried);
+            batch = gather(&mut rx, carried, Some(opened)).await;
+        }
+        read.push(batch.files(&loaded, None).contains(a));
+        // Carried out of the first batch (gone at 45 ms) and the second
+        // (gone at 97 ms); being replaced again at the third's cap (150
+        // ms), after two carries in a row, it is read there as it is; the
+        // fourth reads it whole.
+        assert_eq!(read, [false, false, true, true]);
+    }
+
     /// A batch reads again the files its changes name (a link target's
     /// through its links) and those a rescan finds changed or gone, but
     /// not the files it carries: a file removed late in a held batch is
@@ -2153,9 +2207,18 @@ mod tests {
             .into();
         assert_eq!(batch.files(&loaded, None), everything);
         assert_eq!(batch.files(&loaded, Some(&listed)), everything);
+        let times = 1;
         batch.carried = vec![
-            (gone(dir.path().join("a.yaml")), at),
-            (target_written(), at),
+            Carried {
+                change: gone(dir.path().join("a.yaml")),
+                at,
+                times,
+            },
+            Carried {
+                change: target_written(),
+                at,
+                times,
+            },
         ];
         let only_c: BTreeSet<PathBuf> = [dir.path().join("c.yaml")].into();
         assert_eq!(batch.files(&loaded, None), only_c);
