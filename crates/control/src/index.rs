@@ -718,10 +718,14 @@ impl Inner {
         if old == new {
             return;
         }
-        let shares: Vec<(String, Option<Share>)> = old
+        let key = |name: &str| WorkloadKey {
+            namespace: service.namespace.clone(),
+            name: name.to_string(),
+        };
+        let shares: Vec<(WorkloadKey, Option<Share>)> = old
             .keys()
             .filter(|name| !new.contains_key(*name))
-            .map(|name| (name.to_string(), None))
+            .map(|name| (key(name), None))
             .chain(
                 new.iter()
                     .filter(|(name, share)| old.get(*name) != Some(*share))
@@ -730,7 +734,7 @@ impl Inner {
                             labels: (*labels).clone(),
                             listings: *listings,
                         };
-                        (name.to_string(), Some(share))
+                        (key(name), Some(share))
                     }),
             )
             .collect();
@@ -750,7 +754,7 @@ impl Inner {
         state: Option<&ServiceState>,
         changes: &EndpointChanges,
     ) {
-        let mut listings: Vec<(&str, u32)> = Vec::with_capacity(changes.names.len());
+        let mut listings: Vec<(WorkloadKey, u32)> = Vec::with_capacity(changes.names.len());
         let (mut in_new_parts, mut anywhere) = (HashSet::new(), HashSet::new());
         for (name, listed) in &changes.names {
             let key = WorkloadKey {
@@ -770,7 +774,7 @@ impl Inner {
             } else if now > 0 {
                 anywhere.insert(name.as_str());
             }
-            listings.push((name, now));
+            listings.push((key, now));
         }
         let first = match state {
             None => HashMap::new(),
@@ -784,14 +788,24 @@ impl Inner {
                 first_listings(state.endpoints.iter(), &anywhere)
             }
         };
+        // Only the shares that changed are written (and their labels
+        // copied): most names a changed part lists keep theirs.
         let shares = listings
             .into_iter()
-            .map(|(name, listings)| {
-                let share = first.get(name).map(|labels| Share {
-                    labels: (*labels).clone(),
+            .filter_map(|(key, listings)| {
+                let labels = first.get(key.name.as_str()).copied();
+                let held = self.workloads.get(&key).and_then(|s| s.get(service));
+                let same = match (held, labels) {
+                    (Some(held), Some(labels)) => {
+                        held.listings == listings && held.labels == *labels
+                    }
+                    (held, labels) => held.is_none() && labels.is_none(),
+                };
+                let share = |labels: &Labels| Share {
+                    labels: labels.clone(),
                     listings,
-                });
-                (name.to_string(), share)
+                };
+                (!same).then(|| (key, labels.map(share)))
             })
             .collect();
         self.set_workload_shares(service, shares);
@@ -799,12 +813,12 @@ impl Inner {
 
     /// Sets what `service` gives each named workload (its share, or nothing)
     /// and republishes those whose labels changed.
-    fn set_workload_shares(&mut self, service: &ServiceKey, shares: Vec<(String, Option<Share>)>) {
-        for (name, share) in shares {
-            let key = WorkloadKey {
-                namespace: service.namespace.clone(),
-                name,
-            };
+    fn set_workload_shares(
+        &mut self,
+        service: &ServiceKey,
+        shares: Vec<(WorkloadKey, Option<Share>)>,
+    ) {
+        for (key, share) in shares {
             let old = self.workloads.get(&key).and_then(|s| s.get(service));
             let relabelled = old.map(|s| &s.labels) != share.as_ref().map(|s| &s.labels);
             match share {
