@@ -1250,11 +1250,12 @@ impl Holds {
             Change::Target { path, state } => (path, *state, true),
             Change::Rescan => return,
         };
+        if state == Arrival::Whole {
+            self.pending.remove(path);
+            return;
+        }
         let replacing = matches!(state, Arrival::Gone | Arrival::Created);
         match self.pending.get_mut(path) {
-            _ if state == Arrival::Whole => {
-                self.pending.remove(path);
-            }
             Some(pending) => {
                 pending.at = at;
                 pending.replacing |= replacing;
