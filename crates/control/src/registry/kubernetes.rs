@@ -37,7 +37,7 @@
 //! missing.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -62,6 +62,9 @@ use tether_core::route::{Route, RouteKey, RouteKind};
 use tether_core::truncate::bounded_message;
 
 use super::{Registry, RegistryError};
+use facts::{facts, PodFacts, ServiceFacts, SliceFacts, Watched};
+
+mod facts;
 use crate::index::{EndpointList, Index, ServiceState};
 use crate::metrics::ControlMetrics;
 
@@ -105,8 +108,8 @@ impl KubernetesRegistry {
 // Events are moved through once, right away; boxing them buys nothing.
 #[allow(clippy::large_enum_variant)]
 enum Change {
-    Service(Event<Service>),
-    Slice(Event<EndpointSlice>),
+    Service(Event<ServiceFacts>),
+    Slice(Event<SliceFacts>),
     Pod(Event<PodFacts>),
     Route(RouteKind, Event<DynamicObject>),
     /// A route kind's CRD is not installed.
@@ -176,8 +179,8 @@ pub const DEFAULT_POLICY_ANNOTATION: &str = "config.linkerd.io/default-inbound-p
 /// Everything watched, by namespace and name.
 #[derive(Default)]
 struct World {
-    services: HashMap<(String, String), Service>,
-    slices: HashMap<(String, String), EndpointSlice>,
+    services: HashMap<(String, String), ServiceFacts>,
+    slices: HashMap<(String, String), SliceFacts>,
     pods: HashMap<(String, String), PodFacts>,
     http_routes: HashMap<(String, String), DynamicObject>,
     grpc_routes: HashMap<(String, String), DynamicObject>,
@@ -273,32 +276,17 @@ struct SliceRefs {
     pods: Vec<(String, String)>,
 }
 
-/// The pod an endpoint's reference names, if it names one: a reference
-/// without a namespace is to the slice's own.
-fn pod_key(
-    r: &k8s_openapi::api::core::v1::ObjectReference,
-    slice_namespace: &str,
-) -> Option<(String, String)> {
-    if r.kind.as_deref() != Some("Pod") {
-        return None;
-    }
-    let namespace = r.namespace.as_deref().unwrap_or(slice_namespace);
-    Some((namespace.to_string(), r.name.clone()?))
-}
-
 impl SliceRefs {
-    fn of(slice: &EndpointSlice) -> Self {
-        let namespace = slice.namespace().unwrap_or_default();
+    fn of(slice: &SliceFacts) -> Self {
         let mut pods: Vec<(String, String)> = slice
             .endpoints
             .iter()
-            .flatten()
-            .filter_map(|ep| pod_key(ep.target_ref.as_ref()?, &namespace))
+            .filter_map(|ep| slice.pod_of(ep))
             .collect();
         pods.sort_unstable();
         pods.dedup();
         SliceRefs {
-            service: slice_service(slice),
+            service: slice.service.clone(),
             pods,
         }
     }
@@ -371,127 +359,6 @@ fn key_of<K: Watched>(o: &K) -> (String, String) {
     o.key()
 }
 
-fn slice_service(slice: &EndpointSlice) -> Option<ServiceKey> {
-    let name = slice.labels().get(SERVICE_NAME_LABEL)?;
-    Some(ServiceKey::new(name, slice.namespace().unwrap_or_default()))
-}
-
-/// What the registry reads of a Pod: its labels, its service account,
-/// whether it runs the proxy (a container by that name), and when it last
-/// changed (the newest managed-field time, for the watch-lag metric). The
-/// API server sends each Pod whole (spec, status, every managed field's
-/// field set), and the registry holds every Pod of the cluster: 41 KiB of
-/// memory a Pod as sent, 7 KiB as a Pod trimmed of what is not read, 1.4 KiB
-/// as these facts (`pods_as_sent`, `pods_as_kept`).
-#[derive(Clone, Debug)]
-struct PodFacts {
-    namespace: String,
-    name: String,
-    labels: tether_core::policy::Labels,
-    service_account: Option<String>,
-    meshed: bool,
-    changed_at: Option<k8s_openapi::jiff::Timestamp>,
-}
-
-/// Two versions of a Pod's facts are the same when what the registry
-/// reads is: a status update (readiness, restarts) changes the time, not
-/// the endpoints, and costs nothing.
-impl PartialEq for PodFacts {
-    fn eq(&self, other: &Self) -> bool {
-        let Self {
-            namespace,
-            name,
-            labels,
-            service_account,
-            meshed,
-            changed_at: _,
-        } = self;
-        *namespace == other.namespace
-            && *name == other.name
-            && *labels == other.labels
-            && *service_account == other.service_account
-            && *meshed == other.meshed
-    }
-}
-
-impl PodFacts {
-    fn of(pod: Pod) -> Self {
-        let changed_at = pod.changed_at();
-        let meta = pod.metadata;
-        let spec = pod.spec.unwrap_or_default();
-        let meshed = spec
-            .containers
-            .iter()
-            .chain(spec.init_containers.iter().flatten())
-            .any(|c| c.name == PROXY_CONTAINER);
-        Self {
-            namespace: meta.namespace.unwrap_or_default(),
-            name: meta.name.unwrap_or_default(),
-            labels: meta.labels.unwrap_or_default(),
-            service_account: spec.service_account_name,
-            meshed,
-            changed_at,
-        }
-    }
-}
-
-/// A Pod event as the registry keeps it.
-fn pod_facts(event: Event<Pod>) -> Event<PodFacts> {
-    match event {
-        Event::Apply(pod) => Event::Apply(PodFacts::of(pod)),
-        Event::Delete(pod) => Event::Delete(PodFacts::of(pod)),
-        Event::Init => Event::Init,
-        Event::InitApply(pod) => Event::InitApply(PodFacts::of(pod)),
-        Event::InitDone => Event::InitDone,
-    }
-}
-
-/// What the registry needs of every object it keeps: its key (namespace,
-/// name), and when it last changed (for the watch-lag metric).
-trait Watched {
-    fn key(&self) -> (String, String);
-    fn changed_at(&self) -> Option<k8s_openapi::jiff::Timestamp>;
-    /// Whether this version, over `held`, changes nothing the registry
-    /// reads. An object kept whole never can: each version the API server
-    /// sends differs (its resource version, at least).
-    fn changes_nothing(&self, _held: &Self) -> bool {
-        false
-    }
-}
-
-impl<K: ResourceExt> Watched for K {
-    fn key(&self) -> (String, String) {
-        (self.namespace().unwrap_or_default(), self.name_any())
-    }
-
-    /// The newest managed-field time, or the creation time.
-    fn changed_at(&self) -> Option<k8s_openapi::jiff::Timestamp> {
-        let managed = self
-            .meta()
-            .managed_fields
-            .iter()
-            .flatten()
-            .filter_map(|m| m.time.as_ref().map(|t| t.0));
-        managed
-            .chain(self.meta().creation_timestamp.as_ref().map(|t| t.0))
-            .max()
-    }
-}
-
-impl Watched for PodFacts {
-    fn key(&self) -> (String, String) {
-        (self.namespace.clone(), self.name.clone())
-    }
-
-    fn changed_at(&self) -> Option<k8s_openapi::jiff::Timestamp> {
-        self.changed_at
-    }
-
-    fn changes_nothing(&self, held: &Self) -> bool {
-        self == held
-    }
-}
-
 fn parse_retry_budget(v: &str) -> Option<RetryBudget> {
     let (ratio, min) = match v.split_once('/') {
         Some((r, m)) => (r.trim().parse().ok()?, m.trim().parse().ok()?),
@@ -518,21 +385,15 @@ impl World {
         let svc = self
             .services
             .get(&(key.namespace.clone(), key.name.clone()))?;
-        let spec = svc.spec.as_ref()?;
-        let ann = svc.annotations();
+        let ann = &svc.annotations;
         let opaque: BTreeSet<u16> = ann
             .get(OPAQUE_PORTS)
             .map(|v| v.split(',').filter_map(|p| p.trim().parse().ok()).collect())
             .unwrap_or_default();
-        let service_ports: Vec<&k8s_openapi::api::core::v1::ServicePort> = spec
+        let ports: Vec<PortSpec> = svc
             .ports
             .iter()
-            .flatten()
-            .filter(|p| p.protocol.as_deref().unwrap_or("TCP") == "TCP")
-            .collect();
-        let ports: Vec<PortSpec> = service_ports
-            .iter()
-            .filter_map(|p| u16::try_from(p.port).ok())
+            .filter_map(|(_, port)| u16::try_from(*port).ok())
             .map(|port| PortSpec {
                 port,
                 opaque: opaque.contains(&port),
@@ -550,10 +411,7 @@ impl World {
             .filter_map(|k| self.routes.get(k))
             .cloned()
             .collect();
-        let port_keys: Vec<SlicePortKey> = service_ports
-            .iter()
-            .map(|p| (p.name.clone(), p.port))
-            .collect();
+        let port_keys: Vec<SlicePortKey> = svc.ports.clone();
         let mut state = ServiceState {
             ports,
             global_id: ann.get(GLOBAL_ID).cloned(),
@@ -566,11 +424,7 @@ impl World {
             response_timeout: ann
                 .get(RESPONSE_TIMEOUT)
                 .and_then(|v| tether_core::registry::parse_duration(v).ok()),
-            cluster_ip: spec
-                .cluster_ip
-                .as_deref()
-                .filter(|ip| *ip != "None")
-                .and_then(|ip| ip.parse().ok()),
+            cluster_ip: svc.cluster_ip,
             endpoints: EndpointList::default(),
             routes,
         };
@@ -599,9 +453,8 @@ impl World {
             let Some(slice) = self.slices.get(slice_key) else {
                 continue;
             };
-            let endpoints: Arc<[EndpointSpec]> = self
-                .slice_endpoints(slice, key, &ports, trust_domain)
-                .into();
+            let endpoints: Arc<[EndpointSpec]> =
+                self.slice_endpoints(slice, &ports, trust_domain).into();
             self.listings
                 .entry(key.clone())
                 .or_default()
@@ -651,16 +504,12 @@ impl World {
     /// serves a service port (by name, or the only one).
     fn slice_endpoints(
         &self,
-        slice: &EndpointSlice,
-        key: &ServiceKey,
+        slice: &SliceFacts,
         ports: &[SlicePortKey],
         trust_domain: &str,
     ) -> Vec<EndpointSpec> {
         let mut endpoints = Vec::new();
-        for sp in slice.ports.iter().flatten() {
-            let Some(target) = sp.port.and_then(|p| u16::try_from(p).ok()) else {
-                continue;
-            };
+        for sp in &slice.ports {
             let service_port = ports
                 .iter()
                 .find(|(name, _)| *name == sp.name)
@@ -669,13 +518,8 @@ impl World {
             let Some(service_port) = service_port else {
                 continue;
             };
-            for ep in slice.endpoints.iter().flatten() {
-                let ready = ep.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
-                let pod = ep
-                    .target_ref
-                    .as_ref()
-                    .and_then(|r| pod_key(r, &key.namespace))
-                    .and_then(|k| self.pods.get(&k));
+            for ep in &slice.endpoints {
+                let pod = slice.pod_of(ep).and_then(|k| self.pods.get(&k));
                 let meshed = pod.is_some_and(|p| p.meshed);
                 let identity = pod.filter(|_| meshed).map(|p| {
                     let sa = p.service_account.as_deref().unwrap_or("default");
@@ -683,26 +527,16 @@ impl World {
                     // name a pod of another).
                     tether_identity::identity_name(sa, &p.namespace, trust_domain)
                 });
-                let zone = ep.zone.clone().or_else(|| {
-                    ep.hints
-                        .as_ref()
-                        .and_then(|h| h.for_zones.as_ref())
-                        .and_then(|z| z.first())
-                        .map(|z| z.name.clone())
-                });
-                for addr in &ep.addresses {
-                    let Ok(ip) = addr.parse::<IpAddr>() else {
-                        continue;
-                    };
+                for ip in &ep.addresses {
                     endpoints.push(EndpointSpec {
-                        address: SocketAddr::new(ip, target),
+                        address: SocketAddr::new(*ip, sp.port),
                         port: Some(service_port),
-                        ready,
+                        ready: ep.ready,
                         identity: identity.clone(),
-                        zone: zone.clone(),
+                        zone: ep.zone.clone(),
                         weight: 1,
                         meshed,
-                        name: ep.target_ref.as_ref().and_then(|r| r.name.clone()),
+                        name: ep.name.clone(),
                         labels: pod.map(|p| p.labels.clone()).unwrap_or_default(),
                     });
                 }
@@ -1064,11 +898,13 @@ impl Registry for KubernetesRegistry {
     ) -> Result<(), RegistryError> {
         let changes = futures::stream::select(
             futures::stream::select(
-                watch::<Service>(&self.client).map(|e| e.map(Change::Service)),
-                watch::<EndpointSlice>(&self.client).map(|e| e.map(Change::Slice)),
+                watch::<Service>(&self.client)
+                    .map(|e| e.map(|e| Change::Service(facts(e, ServiceFacts::of)))),
+                watch::<EndpointSlice>(&self.client)
+                    .map(|e| e.map(|e| Change::Slice(facts(e, SliceFacts::of)))),
             ),
             futures::stream::select(
-                watch::<Pod>(&self.client).map(|e| e.map(|e| Change::Pod(pod_facts(e)))),
+                watch::<Pod>(&self.client).map(|e| e.map(|e| Change::Pod(facts(e, PodFacts::of)))),
                 futures::stream::select(
                     watch_routes(&self.client, RouteKind::Http),
                     watch_routes(&self.client, RouteKind::Grpc),
@@ -1345,8 +1181,17 @@ mod tests {
     /// touches, with the endpoints each has now.
     fn on_slices(
         world: &mut World,
-        relist: &mut Option<HashMap<(String, String), EndpointSlice>>,
+        relist: &mut Option<HashMap<(String, String), SliceFacts>>,
         e: Event<EndpointSlice>,
+    ) -> BTreeMap<ServiceKey, usize> {
+        on_slice_facts(world, relist, facts(e, SliceFacts::of))
+    }
+
+    /// As [`on_slices`], for an event of facts.
+    fn on_slice_facts(
+        world: &mut World,
+        relist: &mut Option<HashMap<(String, String), SliceFacts>>,
+        e: Event<SliceFacts>,
     ) -> BTreeMap<ServiceKey, usize> {
         let mut touched = Vec::new();
         apply(&mut world.slices, relist, e, &mut touched);
@@ -1486,18 +1331,16 @@ mod tests {
             .slices
             .values()
             .filter(|s| {
-                let slice_ns = s.namespace().unwrap_or_default();
-                s.endpoints
-                    .iter()
-                    .flatten()
-                    .filter_map(|e| e.target_ref.as_ref())
-                    .any(|r| {
-                        r.kind.as_deref() == Some("Pod")
-                            && r.name.as_deref() == Some(name)
-                            && r.namespace.as_deref().unwrap_or(&slice_ns) == ns
-                    })
+                s.endpoints.iter().any(|e| {
+                    let pod_ns = match &e.pod {
+                        facts::PodRef::None => return false,
+                        facts::PodRef::Own => &s.namespace,
+                        facts::PodRef::In(pod_ns) => pod_ns,
+                    };
+                    e.name.as_deref() == Some(name) && pod_ns == ns
+                })
             })
-            .filter_map(slice_service)
+            .filter_map(|s| s.service.clone())
             .collect()
     }
 
@@ -1563,8 +1406,8 @@ mod tests {
             let by_scan: BTreeSet<String> = world
                 .slices
                 .values()
-                .filter(|sl| slice_service(sl).as_ref() == Some(&key) && state.is_some())
-                .flat_map(|sl| sl.endpoints.iter().flatten())
+                .filter(|sl| sl.service.as_ref() == Some(&key) && state.is_some())
+                .flat_map(|sl| sl.endpoints.iter())
                 .map(|e| format!("{}:8080", e.addresses[0]))
                 .collect();
             let indexed: BTreeSet<String> = state
@@ -1610,7 +1453,7 @@ mod tests {
             }
         }
         no_empty_or_stale(&world.slices_of_service, |svc, k| {
-            world.slices.get(k).and_then(slice_service).as_ref() == Some(svc)
+            world.slices.get(k).and_then(|s| s.service.as_ref()) == Some(svc)
         })?;
         no_empty_or_stale(&world.slices_of_pod, |pod, k| {
             world
@@ -1674,7 +1517,7 @@ mod tests {
             let mut world = World::default();
             for key in service_keys() {
                 let svc = service(&key.namespace, key.name.clone());
-                world.services.insert(key_of(&svc), svc);
+                world.services.insert(key_of(&svc), ServiceFacts::of(svc));
             }
             let mut relist = None;
             for event in events {
@@ -1695,7 +1538,7 @@ mod tests {
                     SliceEvent::RelistHeld => {
                         on_slices(&mut world, &mut relist, Event::Init);
                         for slice in before.values() {
-                            on_slices(&mut world, &mut relist, Event::InitApply(slice.clone()));
+                            on_slice_facts(&mut world, &mut relist, Event::InitApply(slice.clone()));
                         }
                         let named = on_slices(&mut world, &mut relist, Event::InitDone);
                         prop_assert!(named.is_empty(), "a relist of what is held named {named:?}");
@@ -1704,7 +1547,7 @@ mod tests {
                     }
                     SliceEvent::Ports(s, in_b, variant) => {
                         let svc = service_with_ports(ns(in_b), format!("svc{s}"), variant);
-                        world.services.insert(key_of(&svc), svc);
+                        world.services.insert(key_of(&svc), ServiceFacts::of(svc));
                         check_slices(&mut world)?;
                         continue;
                     }
@@ -1713,10 +1556,10 @@ mod tests {
                         (vec![key_of(&s)], on_slices(&mut world, &mut relist, Event::Apply(s)))
                     }
                     SliceEvent::Delete(spec, other) => {
-                        let Some(sent) = deleted(&world.slices, build(&spec), other) else {
+                        let Some(sent) = deleted(&world.slices, SliceFacts::of(build(&spec)), other) else {
                             continue;
                         };
-                        (vec![key_of(&sent)], on_slices(&mut world, &mut relist, Event::Delete(sent)))
+                        (vec![key_of(&sent)], on_slice_facts(&mut world, &mut relist, Event::Delete(sent)))
                     }
                     SliceEvent::Relist(first, restarted) => {
                         let mut last = &first;
@@ -1740,8 +1583,8 @@ mod tests {
                     if before.get(key) == world.slices.get(key) {
                         continue; // listed again as it was: nothing to name
                     }
-                    let was = before.get(key).and_then(slice_service);
-                    let now = world.slices.get(key).and_then(slice_service);
+                    let was = before.get(key).and_then(|s| s.service.clone());
+                    let now = world.slices.get(key).and_then(|s| s.service.clone());
                     for service in was.iter().chain(now.iter()) {
                         prop_assert!(affected.contains_key(service), "{service} not named after touching {key:?}");
                     }
@@ -1763,7 +1606,7 @@ mod tests {
             let mut world = World::default();
             for s in 0..4 {
                 let svc = service("a", format!("svc{s}"));
-                world.services.insert(key_of(&svc), svc);
+                world.services.insert(key_of(&svc), ServiceFacts::of(svc));
             }
             for event in events {
                 let (object, present) = match event {
@@ -1807,7 +1650,7 @@ mod tests {
     fn a_change_to_one_slice_of_a_large_service_costs_that_slice() {
         let mut world = World::default();
         let svc = service("a", "web".into());
-        world.services.insert(key_of(&svc), svc);
+        world.services.insert(key_of(&svc), ServiceFacts::of(svc));
         let key = ServiceKey::new("web", "a");
         let index = Index::new(ControlMetrics::default());
         let mut relist = None;
@@ -1971,6 +1814,235 @@ mod tests {
         assert_eq!(touched.len(), 1);
     }
 
+    /// An EndpointSlice's facts give the endpoints the slice as sent says
+    /// (address per port, readiness, zone, name, the pod named and its
+    /// identity) and the time of its last change; an update of what is
+    /// not read (`serving`, `terminating`, the node, the resource version)
+    /// touches nothing, and one of what is read touches the slice.
+    #[test]
+    fn a_slice_keeps_what_the_registry_reads() {
+        let pods = [("web-0".to_string(), 1), ("web-1".to_string(), 2)];
+        let sent = slice_as_sent("a", "web", "web-x7k2p", &pods);
+        let facts = SliceFacts::of(sent.clone());
+        assert_eq!(key_of(&facts), key_of(&sent));
+        assert_eq!(facts.service, Some(ServiceKey::new("web", "a")));
+        assert_eq!(
+            facts.changed_at.map(|t| t.to_string()),
+            Some("2026-12-01T10:00:07Z".into())
+        );
+        let mut world = World::default();
+        let svc = service_as_sent("a", "web");
+        world.services.insert(key_of(&svc), ServiceFacts::of(svc));
+        let pod = PodFacts::of(pod_as_sent("a", "web-1"));
+        world.pods.insert(key_of(&pod), pod.clone());
+        world.slices.insert(key_of(&facts), facts.clone());
+        world.slices_changed(vec![key_of(&facts)]);
+        assert_eq!(world.services_of_pod("a", "web-1").len(), 1);
+        let state = world
+            .state(&ServiceKey::new("web", "a"), "cluster.local")
+            .expect("a service");
+        let listed: Vec<_> = state
+            .endpoints
+            .iter()
+            .map(|e| {
+                (
+                    e.address.to_string(),
+                    e.port,
+                    e.ready,
+                    e.zone.clone(),
+                    e.name.clone(),
+                )
+            })
+            .collect();
+        let zone = |z: &str| Some(format!("eu-west-1{z}"));
+        let name = |n: &str| Some(n.to_string());
+        assert_eq!(
+            listed,
+            [
+                (
+                    "10.244.0.1:8080".into(),
+                    Some(80),
+                    true,
+                    zone("b"),
+                    name("web-0")
+                ),
+                (
+                    "10.244.0.2:8080".into(),
+                    Some(80),
+                    true,
+                    zone("c"),
+                    name("web-1")
+                ),
+                (
+                    "10.244.0.1:9000".into(),
+                    Some(9000),
+                    true,
+                    zone("b"),
+                    name("web-0")
+                ),
+                (
+                    "10.244.0.2:9000".into(),
+                    Some(9000),
+                    true,
+                    zone("c"),
+                    name("web-1")
+                ),
+            ]
+        );
+        let web_1 = &state.endpoints.iter().nth(1).unwrap();
+        assert!(web_1.meshed);
+        assert_eq!(
+            web_1.identity.as_deref(),
+            Some("web.a.serviceaccount.identity.cluster.local")
+        );
+        assert_eq!(web_1.labels, pod.labels);
+        let web_0 = &state.endpoints.iter().next().unwrap();
+        assert!(!web_0.meshed && web_0.identity.is_none(), "no such pod");
+
+        let touches = |changed: EndpointSlice| {
+            let mut slices = HashMap::from([(key_of(&facts), facts.clone())]);
+            let mut touched = Vec::new();
+            apply(
+                &mut slices,
+                &mut None,
+                Event::Apply(SliceFacts::of(changed)),
+                &mut touched,
+            );
+            !touched.is_empty()
+        };
+        let changed = |change: &dyn Fn(&mut Endpoint)| {
+            let mut s = sent.clone();
+            change(&mut s.endpoints.as_mut().unwrap()[1]);
+            s.metadata.resource_version = Some("987654401".into());
+            s
+        };
+        let terminating = changed(&|e| {
+            let c = e.conditions.as_mut().unwrap();
+            (c.serving, c.terminating) = (Some(false), Some(true));
+            e.node_name = Some("node-3".into());
+        });
+        assert!(!touches(terminating), "nothing read changed");
+        assert!(touches(changed(&|e| {
+            e.conditions.as_mut().unwrap().ready = Some(false)
+        })));
+        assert!(touches(changed(
+            &|e| e.addresses = vec!["10.244.0.9".into()]
+        )));
+        assert!(touches(changed(&|e| e.zone = None)));
+        assert!(touches(changed(&|e| e.target_ref = None)));
+        let mut renumbered = sent.clone();
+        renumbered.ports.as_mut().unwrap()[1].port = Some(9001);
+        assert!(touches(renumbered));
+
+        // What is read of odd endpoints and ports: the zone from a hint
+        // when there is none; a reference to a Node names no pod; one to a
+        // Pod without a name, or without a namespace, is to none, or to
+        // the slice's; an address that is not one and a port without a
+        // number or beyond 65535 are skipped; `ready` unset is ready.
+        let mut odd = sent.clone();
+        let eps = odd.endpoints.as_mut().unwrap();
+        eps[0].zone = None;
+        eps[0].hints = Some(k8s_openapi::api::discovery::v1::EndpointHints {
+            for_zones: Some(vec![k8s_openapi::api::discovery::v1::ForZone {
+                name: "eu-west-1c".into(),
+            }]),
+            ..Default::default()
+        });
+        eps[0].target_ref.as_mut().unwrap().kind = Some("Node".into());
+        eps[0].addresses.insert(0, "not-an-ip".into());
+        eps[0].conditions = None;
+        let mut nameless = eps[1].clone();
+        nameless.target_ref.as_mut().unwrap().name = None;
+        let mut elsewhere = eps[1].clone();
+        elsewhere.target_ref.as_mut().unwrap().namespace = Some("b".into());
+        let mut own = eps[1].clone();
+        own.target_ref.as_mut().unwrap().namespace = None;
+        eps.extend([nameless, elsewhere, own]);
+        let ports = odd.ports.as_mut().unwrap();
+        ports.push(EndpointPort {
+            name: Some("unnumbered".into()),
+            ..EndpointPort::default()
+        });
+        ports.push(EndpointPort {
+            name: Some("huge".into()),
+            port: Some(70_000),
+            ..EndpointPort::default()
+        });
+        let odd = SliceFacts::of(odd);
+        let ports: Vec<_> = odd
+            .ports
+            .iter()
+            .map(|p| (p.name.as_deref(), p.port))
+            .collect();
+        assert_eq!(ports, [(Some("http"), 8080), (Some("admin"), 9000)]);
+        let first = &odd.endpoints[0];
+        let ip: std::net::IpAddr = "10.244.0.1".parse().unwrap();
+        assert_eq!(*first.addresses, [ip]);
+        assert!(first.ready);
+        assert_eq!(first.zone.as_deref(), Some("eu-west-1c"));
+        assert_eq!(first.name.as_deref(), Some("web-0"));
+        let pods_named: Vec<_> = odd.endpoints.iter().map(|e| odd.pod_of(e)).collect();
+        let in_ns = |ns: &str| Some((ns.to_string(), "web-1".to_string()));
+        assert_eq!(pods_named, [None, in_ns("a"), None, in_ns("b"), in_ns("a")]);
+    }
+
+    /// A Service's facts give what the Service as sent says (its TCP
+    /// ports, cluster IP and the mesh's annotations); a status update, or
+    /// an annotation the mesh does not read, touches nothing.
+    #[test]
+    fn a_service_keeps_what_the_registry_reads() {
+        let mut sent = service_as_sent("a", "web");
+        let spec = sent.spec.as_mut().unwrap();
+        spec.ports.as_mut().unwrap().push(ServicePort {
+            name: Some("dns".into()),
+            port: 53,
+            protocol: Some("UDP".into()),
+            ..ServicePort::default()
+        });
+        let facts = ServiceFacts::of(sent.clone());
+        assert_eq!(key_of(&facts), key_of(&sent));
+        assert_eq!(
+            facts.ports,
+            [
+                (Some("http".to_string()), 80),
+                (Some("admin".to_string()), 9000)
+            ]
+        );
+        assert_eq!(facts.cluster_ip, Some("10.96.14.27".parse().unwrap()));
+        assert_eq!(
+            facts.annotations,
+            BTreeMap::from([(RETRY_BUDGET.to_string(), "0.2/10".to_string())])
+        );
+        assert_eq!(
+            facts.changed_at.map(|t| t.to_string()),
+            Some("2026-11-02T08:00:00Z".into())
+        );
+        let mut headless = sent.clone();
+        headless.spec.as_mut().unwrap().cluster_ip = Some("None".into());
+        assert_eq!(ServiceFacts::of(headless).cluster_ip, None);
+
+        let touches = |changed: Service| {
+            let mut services = HashMap::from([(key_of(&facts), facts.clone())]);
+            let mut touched = Vec::new();
+            let e = Event::Apply(ServiceFacts::of(changed));
+            apply(&mut services, &mut None, e, &mut touched);
+            !touched.is_empty()
+        };
+        let mut status = sent.clone();
+        status.metadata.resource_version = Some("987654322".into());
+        let annotations = status.metadata.annotations.as_mut().unwrap();
+        annotations.insert("deployment.kubernetes.io/revision".into(), "4".into());
+        status.status = Some(Default::default());
+        assert!(!touches(status));
+        let mut opaque = sent.clone();
+        let annotations = opaque.metadata.annotations.as_mut().unwrap();
+        annotations.insert(OPAQUE_PORTS.into(), "9000".into());
+        assert!(touches(opaque));
+        let mut renumbered = sent.clone();
+        renumbered.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].port = 81;
+        assert!(touches(renumbered));
+    }
+
     /// A Pod's facts give the endpoints the Pod as sent says (identity,
     /// meshed, labels, name) and the time of its last change; a status
     /// update changes nothing the registry keeps, and touches nothing.
@@ -1981,7 +2053,7 @@ mod tests {
         let endpoints_naming = |pod: PodFacts, pod_ns: Option<&str>| {
             let mut world = World::default();
             let svc = service("a", "web".into());
-            world.services.insert(key_of(&svc), svc);
+            world.services.insert(key_of(&svc), ServiceFacts::of(svc));
             world.pods.insert(key_of(&pod), pod);
             let target = Some(("Pod", pod_ns, "web-1".to_string()));
             let s = slice(
@@ -1990,7 +2062,7 @@ mod tests {
                 Some("web".into()),
                 vec![endpoint(1, true, target)],
             );
-            world.slices.insert(key_of(&s), s.clone());
+            world.slices.insert(key_of(&s), SliceFacts::of(s.clone()));
             world.slices_changed(vec![key_of(&s)]);
             let key = ServiceKey::new("web", "a");
             world
@@ -2121,6 +2193,147 @@ mod tests {
         pods_held(true, PodFacts::of);
     }
 
+    /// A Service as the API server sends one applied with `kubectl apply`:
+    /// the applied configuration in an annotation, managed fields, status.
+    fn service_as_sent(ns: &str, name: &str) -> Service {
+        let applied = serde_json::json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": ns, "labels": {"app": name, "team": "payments"},
+                "annotations": {"tether.io/retry-budget": "0.2/10"}},
+            "spec": {"selector": {"app": name}, "ports": [{"name": "http", "port": 80, "targetPort": 8080}, {"name": "admin", "port": 9000, "targetPort": 9000}]}});
+        let fields = serde_json::json!({"f:metadata": {"f:annotations": {".": {}, "f:kubectl.kubernetes.io/last-applied-configuration": {}, "f:tether.io/retry-budget": {}}, "f:labels": {".": {}, "f:app": {}, "f:team": {}}},
+            "f:spec": {"f:internalTrafficPolicy": {}, "f:ports": {".": {}, "k:{\"port\":80,\"protocol\":\"TCP\"}": {".": {}, "f:name": {}, "f:port": {}, "f:protocol": {}, "f:targetPort": {}}, "k:{\"port\":9000,\"protocol\":\"TCP\"}": {".": {}, "f:name": {}, "f:port": {}, "f:protocol": {}, "f:targetPort": {}}}, "f:selector": {}, "f:sessionAffinity": {}, "f:type": {}}});
+        serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": name, "namespace": ns, "uid": "9a8b7c6d-5e4f-3a2b-1c0d-e9f8a7b6c5d4", "resourceVersion": "987654321",
+                "creationTimestamp": "2026-11-02T08:00:00Z",
+                "labels": {"app": name, "team": "payments"},
+                "annotations": {"kubectl.kubernetes.io/last-applied-configuration": applied.to_string(), "tether.io/retry-budget": "0.2/10"},
+                "managedFields": [{"manager": "kubectl-client-side-apply", "operation": "Update", "apiVersion": "v1", "time": "2026-11-02T08:00:00Z", "fieldsType": "FieldsV1", "fieldsV1": fields}],
+            },
+            "spec": {
+                "type": "ClusterIP", "clusterIP": "10.96.14.27", "clusterIPs": ["10.96.14.27"], "ipFamilies": ["IPv4"], "ipFamilyPolicy": "SingleStack",
+                "internalTrafficPolicy": "Cluster", "sessionAffinity": "None", "selector": {"app": name},
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}, {"name": "admin", "port": 9000, "protocol": "TCP", "targetPort": 9000}],
+            },
+            "status": {"loadBalancer": {}},
+        }))
+        .expect("a Service")
+    }
+
+    /// An EndpointSlice as the EndpointSlice controller writes one for
+    /// `service`: an endpoint per pod (its address, conditions, node,
+    /// zone and reference), managed fields.
+    fn slice_as_sent(
+        ns: &str,
+        service: &str,
+        name: &str,
+        pods: &[(String, usize)],
+    ) -> EndpointSlice {
+        let endpoints: Vec<serde_json::Value> = pods
+            .iter()
+            .map(|(pod, n)| serde_json::json!({
+                "addresses": [format!("10.{}.{}.{}", 244 + (n >> 16 & 7), n >> 8 & 255, n & 255)],
+                "conditions": {"ready": true, "serving": true, "terminating": false},
+                "nodeName": format!("node-{}", n % 50), "zone": format!("eu-west-1{}", ["a", "b", "c"][n % 3]),
+                "targetRef": {"kind": "Pod", "name": pod, "namespace": ns, "uid": format!("6f1c2d3e-4b5a-6978-8a9b-{n:012x}")},
+            }))
+            .collect();
+        let fields = serde_json::json!({"f:addressType": {}, "f:endpoints": {}, "f:metadata": {"f:annotations": {".": {}, "f:endpoints.kubernetes.io/last-change-trigger-time": {}},
+            "f:generateName": {}, "f:labels": {".": {}, "f:app": {}, "f:endpointslice.kubernetes.io/managed-by": {}, "f:kubernetes.io/service-name": {}},
+            "f:ownerReferences": {".": {}, "k:{\"uid\":\"9a8b7c6d-5e4f-3a2b-1c0d-e9f8a7b6c5d4\"}": {}}}, "f:ports": {}});
+        serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": name, "generateName": format!("{service}-"), "namespace": ns, "uid": "1c2d3e4f-5a6b-7c8d-9e0f-a1b2c3d4e5f6",
+                "resourceVersion": "987654400", "generation": 57, "creationTimestamp": "2026-11-02T08:00:01Z",
+                "labels": {"app": service, "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io", "kubernetes.io/service-name": service},
+                "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": "2026-12-01T10:00:07Z"},
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": service, "uid": "9a8b7c6d-5e4f-3a2b-1c0d-e9f8a7b6c5d4", "controller": true, "blockOwnerDeletion": true}],
+                "managedFields": [{"manager": "kube-controller-manager", "operation": "Update", "apiVersion": "discovery.k8s.io/v1", "time": "2026-12-01T10:00:07Z", "fieldsType": "FieldsV1", "fieldsV1": fields}],
+            },
+            "addressType": "IPv4",
+            "endpoints": endpoints,
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "admin", "port": 9000, "protocol": "TCP"}],
+        }))
+        .expect("an EndpointSlice")
+    }
+
+    /// What a cluster costs the registry and the index in memory, by what
+    /// holds it: 20,000 realistic Pods (as `pods_as_kept`), in 200
+    /// Services of 100 endpoints (one EndpointSlice each, two ports), as
+    /// the API server sends them. A measurement, run by hand (a process of
+    /// its own): `cargo test --release -p tether-control --lib --
+    /// --ignored --nocapture --exact
+    /// registry::kubernetes::tests::a_cluster_s_memory`.
+    #[test]
+    #[ignore]
+    fn a_cluster_s_memory() {
+        let (services, per_service) = (200, 100);
+        let pods = services * per_service;
+        let mut world = World::default();
+        let step = |what: &str, before: &mut u64| {
+            let now = resident_kib();
+            eprintln!(
+                "{what}: {} MiB more resident, {:.2} KiB a pod",
+                now.saturating_sub(*before) / 1024,
+                now.saturating_sub(*before) as f64 / pods as f64
+            );
+            *before = now;
+        };
+        let start = resident_kib();
+        let mut at = start;
+        for s in 0..services {
+            for e in 0..per_service {
+                let facts = PodFacts::of(pod_as_sent("big", &format!("web-{s}-{e}")));
+                world.pods.insert(key_of(&facts), facts);
+            }
+        }
+        step("the Pods", &mut at);
+        let mut slices = Vec::new();
+        for s in 0..services {
+            let names: Vec<(String, usize)> = (0..per_service)
+                .map(|e| (format!("web-{s}-{e}"), s * per_service + e))
+                .collect();
+            let sl = slice_as_sent(
+                "big",
+                &format!("svc-{s}"),
+                &format!("svc-{s}-x7k2p"),
+                &names,
+            );
+            slices.push(key_of(&sl));
+            world.slices.insert(key_of(&sl), SliceFacts::of(sl));
+        }
+        step("the EndpointSlices", &mut at);
+        world.slices_changed(slices);
+        step(
+            "their indexes (each slice's pods, each pod's slices)",
+            &mut at,
+        );
+        let keys: Vec<ServiceKey> = (0..services)
+            .map(|s| {
+                let svc = service_as_sent("big", &format!("svc-{s}"));
+                world.services.insert(key_of(&svc), ServiceFacts::of(svc));
+                ServiceKey::new(format!("svc-{s}"), "big".to_string())
+            })
+            .collect();
+        step("the Services", &mut at);
+        let states: Vec<_> = keys
+            .iter()
+            .map(|k| world.state(k, "cluster.local").expect("a service"))
+            .collect();
+        assert!(states.iter().all(|s| s.endpoints.len() == 2 * per_service));
+        step("each service's endpoints, built", &mut at);
+        let index = Index::new(ControlMetrics::default());
+        for (k, state) in keys.iter().zip(states) {
+            index.set_service(k, Some(state));
+        }
+        step("the index (workloads included)", &mut at);
+        eprintln!(
+            "{pods} pods in {services} services: {} MiB in all, {:.2} KiB a pod",
+            at.saturating_sub(start) / 1024,
+            at.saturating_sub(start) as f64 / pods as f64
+        );
+    }
+
     /// An HTTPRoute in `ns` attached to service `s`, sending to it.
     fn http_route(ns: &str, s: usize) -> DynamicObject {
         serde_json::from_value(serde_json::json!({
@@ -2161,7 +2374,7 @@ mod tests {
         let mut world = World::default();
         for s in 0..services {
             let svc = service("big", format!("svc-{s}"));
-            world.services.insert(key_of(&svc), svc);
+            world.services.insert(key_of(&svc), ServiceFacts::of(svc));
             for k in 0..slices {
                 for e in 0..per_slice {
                     let p = pod("big", pod_name(s, k, e), 0);
@@ -2313,7 +2526,7 @@ mod tests {
         // index.
         let (huge, huge_slices) = (services, 1_000);
         let svc = service("big", format!("svc-{huge}"));
-        world.services.insert(key_of(&svc), svc);
+        world.services.insert(key_of(&svc), ServiceFacts::of(svc));
         // Each endpoint names its pod, as the EndpointSlice controller's
         // do (the pods themselves are not in this world: names, no labels).
         // `replaced`: its first pod replaced that often (a new name, a new
@@ -2414,8 +2627,8 @@ mod tests {
             PodInitDone,
         }
 
-        fn svc_obj(s: usize, b: bool, v: usize) -> Service {
-            service_with_ports(ns(b), format!("svc{s}"), v)
+        fn svc_obj(s: usize, b: bool, v: usize) -> ServiceFacts {
+            ServiceFacts::of(service_with_ports(ns(b), format!("svc{s}"), v))
         }
 
         fn pod_obj(p: usize, b: bool, g: usize) -> PodFacts {
@@ -2432,7 +2645,7 @@ mod tests {
             facts
         }
 
-        fn sl_obj(spec: &SSpec) -> EndpointSlice {
+        fn sl_obj(spec: &SSpec) -> SliceFacts {
             let (b, name, svc, ports, eps) = spec;
             let endpoints = eps
                 .iter()
@@ -2464,7 +2677,7 @@ mod tests {
                 3 => vec![port(Some("other"), 7070)],
                 _ => vec![port(Some("http"), 8080), port(Some("x"), 8080)],
             });
-            sl
+            SliceFacts::of(sl)
         }
 
         fn sspec() -> impl Strategy<Value = SSpec> {
