@@ -227,7 +227,7 @@ struct Inner {
     routing: HashMap<ServiceKey, watch::Sender<RoutingState>>,
     /// Each named workload's labels, per service that lists it (so one
     /// service's change updates only its own share).
-    workloads: HashMap<WorkloadKey, BTreeMap<ServiceKey, Share>>,
+    workloads: HashMap<WorkloadKey, Shares>,
     /// One slot per workload an inbound policy stream follows: its labels,
     /// or `None` while no service lists it.
     workload_slots: HashMap<WorkloadKey, watch::Sender<WorkloadState>>,
@@ -244,13 +244,51 @@ pub type WorkloadState = Option<Labels>;
 /// first listing, and how often the service lists the name.
 #[derive(Debug, Clone, PartialEq)]
 struct Share {
-    labels: Labels,
+    /// Shared with the endpoints (and the registry's record of the pod).
+    labels: Arc<Labels>,
     listings: u32,
+}
+
+/// Each listing service's share of one workload, in service order: a
+/// sorted list, as a workload is listed by one service or a few (a map's
+/// smallest node is ~1 KiB, a workload's largest cost in the index before).
+#[derive(Debug, Default)]
+struct Shares(Vec<(ServiceKey, Share)>);
+
+impl Shares {
+    fn get(&self, service: &ServiceKey) -> Option<&Share> {
+        let i = self.0.binary_search_by(|(k, _)| k.cmp(service)).ok()?;
+        Some(&self.0[i].1)
+    }
+
+    fn insert(&mut self, service: ServiceKey, share: Share) {
+        match self.0.binary_search_by(|(k, _)| k.cmp(&service)) {
+            Ok(i) => self.0[i].1 = share,
+            Err(i) => {
+                self.0.reserve_exact(1);
+                self.0.insert(i, (service, share));
+            }
+        }
+    }
+
+    fn remove(&mut self, service: &ServiceKey) {
+        if let Ok(i) = self.0.binary_search_by(|(k, _)| k.cmp(service)) {
+            self.0.remove(i);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&ServiceKey, &Share)> {
+        self.0.iter().map(|(k, s)| (k, s))
+    }
 }
 
 /// The named endpoints of a service: each name's labels (the first listing
 /// of a name wins, as for addresses) and how often it is listed.
-fn named_listings(state: Option<&ServiceState>) -> BTreeMap<&str, (&Labels, u32)> {
+fn named_listings(state: Option<&ServiceState>) -> BTreeMap<&str, (&Arc<Labels>, u32)> {
     let mut named = BTreeMap::new();
     for ep in state.into_iter().flat_map(|s| &s.endpoints) {
         if let Some(name) = &ep.name {
@@ -265,7 +303,7 @@ fn named_listings(state: Option<&ServiceState>) -> BTreeMap<&str, (&Labels, u32)
 fn first_listings<'a>(
     endpoints: impl Iterator<Item = &'a EndpointSpec>,
     wanted: &HashSet<&str>,
-) -> HashMap<&'a str, &'a Labels> {
+) -> HashMap<&'a str, &'a Arc<Labels>> {
     let mut first = HashMap::with_capacity(wanted.len());
     for ep in endpoints {
         if first.len() == wanted.len() {
@@ -669,12 +707,12 @@ impl Index {
         let inner = self.inner.lock().unwrap();
         let mut all = BTreeMap::new();
         for (workload, shares) in &inner.workloads {
-            for (service, share) in shares {
+            for (service, share) in shares.iter() {
                 let key = (
                     format!("{}/{}", workload.namespace, workload.name),
                     service.to_string(),
                 );
-                all.insert(key, (share.labels.clone(), share.listings));
+                all.insert(key, ((*share.labels).clone(), share.listings));
             }
         }
         all
@@ -700,8 +738,8 @@ impl Inner {
     fn workload_labels(&self, key: &WorkloadKey) -> WorkloadState {
         let shares = self.workloads.get(key)?;
         let mut labels = Labels::new();
-        for share in shares.values() {
-            for (k, v) in &share.labels {
+        for (_, share) in shares.iter() {
+            for (k, v) in share.labels.iter() {
                 labels.entry(k.clone()).or_insert_with(|| v.clone());
             }
         }
@@ -731,7 +769,7 @@ impl Inner {
                     .filter(|(name, share)| old.get(*name) != Some(*share))
                     .map(|(name, (labels, listings))| {
                         let share = Share {
-                            labels: (*labels).clone(),
+                            labels: Arc::clone(labels),
                             listings: *listings,
                         };
                         (key(name), Some(share))
@@ -801,8 +839,8 @@ impl Inner {
                     }
                     (held, labels) => held.is_none() && labels.is_none(),
                 };
-                let share = |labels: &Labels| Share {
-                    labels: labels.clone(),
+                let share = |labels: &Arc<Labels>| Share {
+                    labels: Arc::clone(labels),
                     listings,
                 };
                 (!same).then(|| (key, labels.map(share)))
@@ -1187,11 +1225,13 @@ mod tests {
                                 EndpointSpec {
                                     name: (next(4) != 0)
                                         .then(|| names[next(3) as usize].to_string()),
-                                    labels: [(
-                                        "v".to_string(),
-                                        ["a", "b", "c"][next(3) as usize].to_string(),
-                                    )]
-                                    .into(),
+                                    labels: Arc::new(
+                                        [(
+                                            "v".to_string(),
+                                            ["a", "b", "c"][next(3) as usize].to_string(),
+                                        )]
+                                        .into(),
+                                    ),
                                     ..endpoint(&format!("10.0.0.{}:80", 1 + next(10)), true)
                                 }
                             };
@@ -1251,7 +1291,7 @@ mod tests {
         let key = ServiceKey::new("web", "demo");
         let named = |addr: &str, version: &str| EndpointSpec {
             name: Some("pod-1".into()),
-            labels: [("version".to_string(), version.to_string())].into(),
+            labels: Arc::new([("version".to_string(), version.to_string())].into()),
             ..endpoint(addr, true)
         };
         let part = |eps: Vec<EndpointSpec>| -> Arc<[EndpointSpec]> { eps.into() };
@@ -1319,7 +1359,7 @@ mod tests {
                 ready: next(5) != 0,
                 weight: 1 + next(3) as u32,
                 name: (part < 2 && next(4) == 0).then(|| format!("pod-{}", next(20))),
-                labels: [("v".to_string(), next(3).to_string())].into(),
+                labels: Arc::new([("v".to_string(), next(3).to_string())].into()),
                 ..EndpointSpec::new(SocketAddr::from((
                     [10, 0, (serial >> 8) as u8, serial as u8],
                     8080,
@@ -1400,7 +1440,7 @@ mod tests {
                 .iter()
                 .flatten()
                 .find(|ep| ep.name.as_deref() == Some("pod-7"))
-                .map(|ep| ep.labels.clone());
+                .map(|ep| (*ep.labels).clone());
             assert_eq!(*labels.borrow(), first_listed, "round {round}");
         }
         assert!(incremental > 250);

@@ -77,9 +77,21 @@ pub struct EndpointSpec {
     pub name: Option<String>,
     /// The workload's labels, which a `Server`'s `podSelector` selects
     /// (the pod's labels in Kubernetes). Only named endpoints have a use
-    /// for them.
-    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
-    pub labels: crate::policy::Labels,
+    /// for them. Shared: a pod's endpoints (one per port), the registry's
+    /// record of the pod and the index's of the workload hold one copy.
+    #[serde(default = "no_labels", skip_serializing_if = "has_no_labels")]
+    pub labels: std::sync::Arc<crate::policy::Labels>,
+}
+
+fn has_no_labels(labels: &crate::policy::Labels) -> bool {
+    labels.is_empty()
+}
+
+/// No labels, shared: most endpoints of a registry file have none.
+pub fn no_labels() -> std::sync::Arc<crate::policy::Labels> {
+    static NONE: std::sync::OnceLock<std::sync::Arc<crate::policy::Labels>> =
+        std::sync::OnceLock::new();
+    NONE.get_or_init(Default::default).clone()
 }
 
 impl EndpointSpec {
@@ -95,7 +107,7 @@ impl EndpointSpec {
             weight: one(),
             meshed: yes(),
             name: None,
-            labels: Default::default(),
+            labels: no_labels(),
         }
     }
 }
@@ -692,7 +704,7 @@ endpoints:
                     weight: 7,
                     meshed: false,
                     name: Some("web-0".into()),
-                    labels: [("app".to_string(), "web".to_string())].into(),
+                    labels: std::sync::Arc::new([("app".to_string(), "web".to_string())].into()),
                     ..EndpointSpec::new("10.0.0.1:4143".parse().unwrap())
                 },
                 EndpointSpec::new("[::1]:80".parse().unwrap()),

@@ -537,7 +537,8 @@ impl World {
                         weight: 1,
                         meshed,
                         name: ep.name.clone(),
-                        labels: pod.map(|p| p.labels.clone()).unwrap_or_default(),
+                        labels: pod
+                            .map_or_else(tether_core::registry::no_labels, |p| p.labels.clone()),
                     });
                 }
             }
@@ -2086,7 +2087,7 @@ mod tests {
             Some("web.a.serviceaccount.identity.cluster.local")
         );
         assert_eq!(ep.name.as_deref(), Some("web-1"));
-        assert_eq!(ep.labels, sent.metadata.labels.clone().unwrap());
+        assert_eq!(*ep.labels, sent.metadata.labels.clone().unwrap());
 
         // The kubelet reports the pod unready: a new time and status, the
         // same facts.

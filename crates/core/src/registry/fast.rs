@@ -240,7 +240,7 @@ impl<'de> Visitor<'de> for Endpoint {
             weight: weight.unwrap_or(defaults.weight),
             meshed: meshed.unwrap_or(defaults.meshed),
             name,
-            labels: labels.unwrap_or_default(),
+            labels: labels.map_or_else(super::no_labels, std::sync::Arc::new),
             ..defaults
         })
     }

@@ -99,7 +99,8 @@ watched_facts!(PodFacts, SliceFacts, ServiceFacts);
 pub(super) struct PodFacts {
     pub namespace: String,
     pub name: String,
-    pub labels: tether_core::policy::Labels,
+    /// Shared with the pod's endpoints.
+    pub labels: std::sync::Arc<tether_core::policy::Labels>,
     pub service_account: Option<String>,
     pub meshed: bool,
     pub changed_at: Option<Timestamp>,
@@ -139,7 +140,9 @@ impl PodFacts {
         Self {
             namespace: meta.namespace.unwrap_or_default(),
             name: meta.name.unwrap_or_default(),
-            labels: meta.labels.unwrap_or_default(),
+            labels: meta
+                .labels
+                .map_or_else(tether_core::registry::no_labels, std::sync::Arc::new),
             service_account: spec.service_account_name,
             meshed,
             changed_at,
