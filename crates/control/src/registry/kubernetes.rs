@@ -2344,6 +2344,15 @@ mod tests {
             index.set_service(k, Some(state));
         }
         step("the index (workloads included)", &mut at);
+        // Every service's two ports followed, as by the proxies calling it.
+        let _watching: Vec<_> = keys
+            .iter()
+            .flat_map(|k| {
+                let slot = crate::index::SlotKey::Service(k.clone());
+                [80, 9000].map(|port| index.subscribe(&slot, port))
+            })
+            .collect();
+        step("a subscriber to each service's ports (their snapshots)", &mut at);
         eprintln!(
             "{pods} pods in {services} services: {} MiB in all, {:.2} KiB a pod",
             at.saturating_sub(start) / 1024,
