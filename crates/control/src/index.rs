@@ -1646,4 +1646,48 @@ mod tests {
         index.collect_garbage();
         assert!(index.inner.lock().unwrap().slots.is_empty());
     }
+
+    /// `Shares` answers as the map it replaced, over random inserts,
+    /// replacements and removals, in service order (the merge's first
+    /// service wins). (From a hostile review.)
+    #[test]
+    fn shares_answer_as_a_map_does() {
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let names = ["a", "b", "web", "web-2", "z", ""];
+        for _ in 0..200 {
+            let (mut shares, mut map) = (Shares::default(), BTreeMap::new());
+            for _ in 0..60 {
+                let key =
+                    ServiceKey::new(names[next(6) as usize], ["ns", "ns2", ""][next(3) as usize]);
+                if next(3) == 0 {
+                    shares.remove(&key);
+                    map.remove(&key);
+                } else {
+                    let labels = [
+                        ("k".to_string(), next(4).to_string()),
+                        (next(3).to_string(), "v".into()),
+                    ];
+                    let share = Share {
+                        labels: Arc::new(labels.into()),
+                        listings: next(5) as u32,
+                    };
+                    shares.insert(key.clone(), share.clone());
+                    map.insert(key.clone(), share);
+                }
+                let listed: Vec<_> = shares.iter().collect();
+                let want: Vec<_> = map.iter().collect();
+                assert_eq!(listed, want);
+                assert_eq!(shares.is_empty(), map.is_empty());
+                for k in map.keys() {
+                    assert_eq!(shares.get(k), map.get(k));
+                }
+            }
+        }
+    }
 }

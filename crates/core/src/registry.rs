@@ -553,6 +553,35 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 mod tests {
     use super::*;
 
+    /// An endpoint's labels absent, empty, null or set read alike on the
+    /// fast path and the general one, and render as they read (none when
+    /// empty). (From a review of the labels made shared.)
+    #[test]
+    fn labels_read_alike_on_both_parsers_and_render_as_read() {
+        for labels in [
+            "",
+            "\n    labels: {}",
+            "\n    labels: null",
+            "\n    labels: {app: web}",
+            "\n    labels:\n      app: web",
+        ] {
+            let text = format!(
+                "kind: Endpoints\nservice: web\nendpoints:\n  - address: 10.0.0.1:80\n    name: web-0{labels}\n"
+            );
+            let general = parse_documents_generally(&text);
+            if let Some(fast) = fast::endpoints_documents(&text) {
+                assert_eq!(Some(&fast), general.as_ref().ok(), "{labels:?}");
+            }
+            let Ok(docs) = general else {
+                assert_eq!(labels, "\n    labels: null", "only null may be refused");
+                continue;
+            };
+            let yaml = docs[0].to_yaml();
+            assert_eq!(yaml.contains("labels"), labels.contains("app"), "{yaml}");
+            assert_eq!(parse_documents(&yaml).unwrap(), docs, "{labels:?}");
+        }
+    }
+
     #[test]
     fn only_a_token_that_asks_gets_every_tier() {
         assert!(wants_tiers(TIERS_CONTEXT_TOKEN));

@@ -36,6 +36,10 @@ pub(super) trait Watched {
     fn changes_nothing(&self, _held: &Self) -> bool {
         false
     }
+
+    /// Takes over what this version has equal to `held`, the version it
+    /// replaces, where what was built from `held` shares it.
+    fn adopt(&mut self, _held: &Self) {}
 }
 
 impl<K: ResourceExt> Watched for K {
@@ -88,7 +92,30 @@ macro_rules! watched_facts {
     )*};
 }
 
-watched_facts!(PodFacts, SliceFacts, ServiceFacts);
+watched_facts!(SliceFacts, ServiceFacts);
+
+impl Watched for PodFacts {
+    fn key(&self) -> (String, String) {
+        (self.namespace.clone(), self.name.clone())
+    }
+
+    fn changed_at(&self) -> Option<Timestamp> {
+        self.changed_at
+    }
+
+    fn changes_nothing(&self, held: &Self) -> bool {
+        self == held
+    }
+
+    /// The held labels, when equal: the pod's endpoints and its workload's
+    /// share hold them, and the index keeps a share whose labels compare
+    /// equal, so new ones would be a second copy.
+    fn adopt(&mut self, held: &Self) {
+        if self.labels == held.labels {
+            self.labels = held.labels.clone();
+        }
+    }
+}
 
 /// What the registry reads of a Pod: its labels, its service account,
 /// whether it runs the proxy (a container by that name), and when it last
