@@ -10,14 +10,18 @@
 //! `--per-file` (default [`ENDPOINTS_PER_FILE`]; Endpoints documents add up), so a service of
 //! 100,000 endpoints is 20 files and a change rewrites one of them.
 //!
-//! With `--baseline OLD`, the same run is made first with the `tether`
-//! binary OLD, then with the one under test, and the figures are printed
-//! side by side with their ratio (new / old): the machine's load shifts
-//! between days, a ratio within one run does not.
+//! With `--baseline OLD`, the same run is made with the `tether` binary
+//! OLD and with the one under test, and the figures are printed side by
+//! side with their ratio (new / old): the machine's load shifts between
+//! days, a ratio within one run does not. With `--reps N` the pair is run
+//! N times, in turn first and second (OLD NEW, NEW OLD, ...: the second
+//! of a pair measured up to 3× the first's p99 on a machine losing a
+//! quarter of its CPU to steal), and the medians and the spread of the
+//! pairs' ratios are printed.
 //!
 //! Usage: bench/discovery.sh [--endpoints N] [--services S] [--subscribers M]
 //!                           [--churn R] [--seconds T] [--settle T] [--per-file N]
-//!                           [--baseline OLD-TETHER]
+//!                           [--baseline OLD-TETHER [--reps N]]
 
 #![forbid(unsafe_code)]
 
@@ -36,6 +40,8 @@ use tether_mesh_up::up::write_document;
 struct Args {
     tether: PathBuf,
     baseline: Option<PathBuf>,
+    /// How many OLD/NEW pairs to run with `--baseline`.
+    reps: usize,
     load: PathBuf,
     endpoints: usize,
     services: usize,
@@ -53,6 +59,7 @@ fn parse_args() -> anyhow::Result<Args> {
     let mut a = Args {
         tether: "target/release/tether".into(),
         baseline: None,
+        reps: 1,
         load: "target/release/discovery-load".into(),
         endpoints: 10_000,
         services: 100,
@@ -68,6 +75,7 @@ fn parse_args() -> anyhow::Result<Args> {
         match flag.as_str() {
             "--tether" => a.tether = v.into(),
             "--baseline" => a.baseline = Some(v.into()),
+            "--reps" => a.reps = v.parse()?,
             "--settle" => a.settle = v.parse()?,
             "--per-file" => a.per_file = v.parse()?,
             "--load" => a.load = v.into(),
@@ -98,6 +106,11 @@ fn parse_args() -> anyhow::Result<Args> {
     anyhow::ensure!(
         a.seconds > 0.0 && a.seconds <= 120.0,
         "--seconds must be in (0, 120]"
+    );
+    anyhow::ensure!((1..=20).contains(&a.reps), "--reps must be 1-20");
+    anyhow::ensure!(
+        a.reps == 1 || a.baseline.is_some(),
+        "--reps needs --baseline"
     );
     anyhow::ensure!(
         (1..=100_000).contains(&a.per_file),
@@ -204,11 +217,37 @@ async fn main() -> anyhow::Result<()> {
         run(&args, &args.tether).await?;
         return Ok(());
     };
-    println!("\n=== OLD: {}", baseline.display());
-    let old = run(&args, &baseline).await?;
-    println!("\n=== NEW: {}", args.tether.display());
-    let new = run(&args, &args.tether).await?;
-    println!("\nsame run, NEW / OLD (below 1 is better, except converged):");
+    let (mut old, mut new) = (Vec::new(), Vec::new());
+    for rep in 0..args.reps {
+        // Each binary in turn first and second: the second of a pair runs
+        // on a machine the first has just loaded.
+        for old_now in [rep % 2 == 0, rep % 2 == 1] {
+            let (label, binary) = match old_now {
+                true => ("OLD", &baseline),
+                false => ("NEW", &args.tether),
+            };
+            println!(
+                "\n=== {label} (pair {} of {}): {}",
+                rep + 1,
+                args.reps,
+                binary.display()
+            );
+            let outcome = run(&args, binary).await?;
+            match old_now {
+                true => old.push(outcome),
+                false => new.push(outcome),
+            }
+        }
+    }
+    println!(
+        "\nsame run, NEW / OLD (below 1 is better, except converged){}:",
+        match args.reps {
+            1 => String::new(),
+            n => format!(
+                "; medians of {n} pairs, each binary first in turn, and the pairs' ratios' range"
+            ),
+        }
+    );
     let rows: [Figure; 13] = [
         ("p50 ms", |o| o.p50_ms),
         ("p99 ms", |o| o.p99_ms),
@@ -224,12 +263,39 @@ async fn main() -> anyhow::Result<()> {
         ("peak RSS MiB", |o| o.rss_peak_mib),
         ("bytes per subscriber", |o| o.per_subscriber_bytes),
     ];
-    println!("| figure | OLD | NEW | NEW/OLD |\n| --- | --- | --- | --- |");
+    if args.reps == 1 {
+        println!("| figure | OLD | NEW | NEW/OLD |\n| --- | --- | --- | --- |");
+    } else {
+        println!(
+            "| figure | OLD | NEW | NEW/OLD | pairs' NEW/OLD |\n| --- | --- | --- | --- | --- |"
+        );
+    }
     for (name, f) in rows {
-        let (o, n) = (f(&old), f(&new));
-        println!("| {name} | {o:.2} | {n:.2} | {:.2} |", n / o);
+        let (o, n) = (median(old.iter().map(f)), median(new.iter().map(f)));
+        let ratios: Vec<f64> = old.iter().zip(&new).map(|(o, n)| f(n) / f(o)).collect();
+        let spread = match ratios.len() {
+            1 => String::new(),
+            _ => {
+                let (lo, hi) = ratios
+                    .iter()
+                    .fold((f64::MAX, f64::MIN), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+                format!(" {lo:.2}-{hi:.2} |")
+            }
+        };
+        println!("| {name} | {o:.2} | {n:.2} | {:.2} |{spread}", n / o);
     }
     Ok(())
+}
+
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
@@ -484,6 +550,14 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_median_is_the_middle_value_or_the_middle_two_s_mean() {
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), 2.0);
+        assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), 2.5);
+        assert_eq!(median([7.0].into_iter()), 7.0);
+        assert!(median(std::iter::empty()).is_nan());
+    }
     use tether_core::registry::{parse_documents, EndpointSpec, EndpointsDoc};
 
     #[test]
