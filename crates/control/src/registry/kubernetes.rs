@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::api::core::v1::{Namespace, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher::{self, Event};
@@ -62,7 +62,7 @@ use tether_core::route::{Route, RouteKey, RouteKind};
 use tether_core::truncate::bounded_message;
 
 use super::{Registry, RegistryError};
-use facts::{facts, PodFacts, ServiceFacts, SliceFacts, Watched};
+use facts::{facts, PodFacts, ServiceFacts, SliceFacts, Watched, WatchedPod};
 
 mod facts;
 use crate::index::{EndpointList, Index, ServiceState};
@@ -921,7 +921,8 @@ impl Registry for KubernetesRegistry {
                     .map(|e| e.map(|e| Change::Slice(facts(e, SliceFacts::of)))),
             ),
             futures::stream::select(
-                watch::<Pod>(&self.client).map(|e| e.map(|e| Change::Pod(facts(e, PodFacts::of)))),
+                watch::<WatchedPod>(&self.client)
+                    .map(|e| e.map(|e| Change::Pod(facts(e, PodFacts::of)))),
                 futures::stream::select(
                     watch_routes(&self.client, RouteKind::Http),
                     watch_routes(&self.client, RouteKind::Grpc),
@@ -1102,11 +1103,18 @@ impl KubernetesRegistry {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
-        Container, ObjectReference, PodSpec, ServicePort, ServiceSpec,
+        Container, ObjectReference, Pod, PodSpec, ServicePort, ServiceSpec,
     };
     use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     use proptest::prelude::*;
+
+    /// A Pod's facts as the watch reads them: the Pod as JSON, read back
+    /// as a [`WatchedPod`].
+    fn pod_facts(pod: Pod) -> PodFacts {
+        let json = serde_json::to_vec(&pod).expect("a Pod as JSON");
+        PodFacts::of(serde_json::from_slice(&json).expect("a Pod read as watched"))
+    }
 
     fn meta(ns: &str, name: String, labels: &[(&str, String)]) -> ObjectMeta {
         ObjectMeta {
@@ -1545,7 +1553,7 @@ mod tests {
                         let key = key_of(&p);
                         let services = world.services_of_pod(&key.0, &key.1);
                         match generation {
-                            Some(_) => world.pods.insert(key, PodFacts::of(p.clone())),
+                            Some(_) => world.pods.insert(key, pod_facts(p.clone())),
                             None => world.pods.remove(&key),
                         };
                         prop_assert_eq!(world.pods_changed(&[key_of(&p)]), services);
@@ -1787,7 +1795,7 @@ mod tests {
             let mut p = pod("a", "web-1".into(), g);
             let at = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at.parse().unwrap());
             p.metadata.creation_timestamp = Some(at);
-            PodFacts::of(p)
+            pod_facts(p)
         };
         let key = ("a".to_string(), "web-1".to_string());
         let just_it = vec![key.clone()];
@@ -1849,7 +1857,7 @@ mod tests {
         let svc = service("a", "web".into());
         world.services.insert(key_of(&svc), ServiceFacts::of(svc));
         let p = pod("a", "web-1".into(), 0);
-        let f = PodFacts::of(p.clone());
+        let f = pod_facts(p.clone());
         world.pods.insert(key_of(&f), f);
         let target = Some(("Pod", None, "web-1".to_string()));
         let s = slice(
@@ -1870,7 +1878,7 @@ mod tests {
         for (account, listed) in [("other", false), ("again", true)] {
             let mut changed = p.clone();
             changed.spec.as_mut().unwrap().service_account_name = Some(account.into());
-            let changed = PodFacts::of(changed);
+            let changed = pod_facts(changed);
             let mut touched = Vec::new();
             if listed {
                 apply(&mut world.pods, &mut relist, Event::Init, &mut touched);
@@ -1915,7 +1923,7 @@ mod tests {
         let mut world = World::default();
         let svc = service_as_sent("a", "web");
         world.services.insert(key_of(&svc), ServiceFacts::of(svc));
-        let pod = PodFacts::of(pod_as_sent("a", "web-1"));
+        let pod = pod_facts(pod_as_sent("a", "web-1"));
         world.pods.insert(key_of(&pod), pod.clone());
         world.slices.insert(key_of(&facts), facts.clone());
         world.slices_changed(vec![key_of(&facts)]);
@@ -2153,7 +2161,7 @@ mod tests {
                 .endpoints
         };
         let sent = pod_as_sent("a", "web-1");
-        let facts = PodFacts::of(sent.clone());
+        let facts = pod_facts(sent.clone());
         assert_eq!(key_of(&facts), key_of(&sent));
         assert_eq!(facts.changed_at, sent.changed_at());
         assert_eq!(
@@ -2179,7 +2187,7 @@ mod tests {
             "2026-12-01T10:05:00Z".parse().unwrap(),
         ));
         reported.metadata.resource_version = Some("123456790".into());
-        let later = PodFacts::of(reported);
+        let later = pod_facts(reported);
         assert_eq!(later, facts);
         assert_ne!(later.changed_at, facts.changed_at);
         let mut pods = HashMap::from([(key_of(&facts), facts.clone())]);
@@ -2200,22 +2208,92 @@ mod tests {
             apply(
                 &mut pods,
                 &mut None,
-                Event::Apply(PodFacts::of(pod)),
+                Event::Apply(pod_facts(pod)),
                 &mut touched,
             );
             assert_eq!(touched, [key_of(&facts)]);
         }
         // Without the proxy's container: not meshed, no identity.
-        let ep = &endpoints_naming(PodFacts::of(plain), None)[0];
+        let ep = &endpoints_naming(pod_facts(plain), None)[0];
         assert!(!ep.meshed && ep.identity.is_none(), "{ep:?}");
 
         // A slice naming a pod of another namespace: the identity is that
         // pod's account in its own namespace.
-        let elsewhere = PodFacts::of(pod_as_sent("b", "web-1"));
+        let elsewhere = pod_facts(pod_as_sent("b", "web-1"));
         let ep = &endpoints_naming(elsewhere, Some("b"))[0];
         assert_eq!(
             ep.identity.as_deref(),
             Some("web.b.serviceaccount.identity.cluster.local")
+        );
+    }
+
+    /// A Pod is read off the wire as what its facts need, whatever else it
+    /// carries: the Pod as sent, one without a spec, one with the proxy as
+    /// a native sidecar, labels null; the watch asks for Pods; what is not
+    /// a Pod is refused with the field that is wrong.
+    #[test]
+    fn a_pod_is_read_off_the_wire_as_its_facts_need() {
+        let sent = pod_as_sent("a", "web-1");
+        let read: WatchedPod =
+            serde_json::from_value(serde_json::to_value(&sent).unwrap()).unwrap();
+        let meta = kube::Resource::meta(&read);
+        assert_eq!(meta.name.as_deref(), Some("web-1"));
+        assert_eq!(meta.namespace.as_deref(), Some("a"));
+        assert_eq!(meta.resource_version.as_deref(), Some("123456789"));
+        assert_eq!(meta.labels, sent.metadata.labels);
+        assert_eq!(read.changed_at(), sent.changed_at());
+        let facts = PodFacts::of(read);
+        assert!(facts.meshed);
+        assert_eq!(facts.service_account.as_deref(), Some("web"));
+
+        let read = |json: serde_json::Value| serde_json::from_value::<WatchedPod>(json);
+        let bare = PodFacts::of(read(serde_json::json!({"metadata": {"name": "x"}})).unwrap());
+        assert!(!bare.meshed && bare.service_account.is_none() && bare.labels.is_empty());
+        let sidecar = read(serde_json::json!({
+            "metadata": {"name": "x", "namespace": "a", "labels": null, "extra": {"any": [1, 2]}},
+            "spec": {"initContainers": [{"name": PROXY_CONTAINER, "restartPolicy": "Always"}]},
+            "status": {"phase": "Running"},
+        }));
+        let sidecar = PodFacts::of(sidecar.unwrap());
+        assert!(sidecar.meshed && sidecar.labels.is_empty());
+        assert_eq!(
+            <WatchedPod as kube::Resource>::url_path(&(), Some("a")),
+            <Pod as kube::Resource>::url_path(&(), Some("a"))
+        );
+        let wrong = read(serde_json::json!({"metadata": {"name": 7}})).unwrap_err();
+        assert!(wrong.to_string().contains("invalid type"), "{wrong}");
+    }
+
+    /// What reading a Pod off the wire costs, as k8s-openapi's `Pod` and
+    /// as watched; a measurement, run by hand: `cargo test --release -p
+    /// tether-control --lib -- --ignored --nocapture pod_reading_cost`.
+    #[test]
+    #[ignore]
+    fn pod_reading_cost() {
+        let json = serde_json::to_vec(&pod_as_sent("big", "web-1")).unwrap();
+        let n = 20_000u32;
+        let started = Instant::now();
+        for _ in 0..n {
+            let pod: Pod = serde_json::from_slice(&json).unwrap();
+            std::hint::black_box(pod);
+        }
+        let whole = started.elapsed() / n;
+        let started = Instant::now();
+        for _ in 0..n {
+            let pod: WatchedPod = serde_json::from_slice(&json).unwrap();
+            std::hint::black_box(PodFacts::of(pod));
+        }
+        let watched = started.elapsed() / n;
+        let started = Instant::now();
+        for _ in 0..n {
+            let skipped: serde::de::IgnoredAny = serde_json::from_slice(&json).unwrap();
+            std::hint::black_box(skipped);
+        }
+        eprintln!(
+            "a Pod of {} bytes of JSON: read as a Pod {whole:?}, as watched (and its facts) \
+             {watched:?}, skipped whole {:?}",
+            json.len(),
+            started.elapsed() / n
         );
     }
 
@@ -2272,7 +2350,7 @@ mod tests {
     #[test]
     #[ignore]
     fn pods_as_kept() {
-        pods_held(true, PodFacts::of);
+        pods_held(true, pod_facts);
     }
 
     /// A Service as the API server sends one applied with `kubectl apply`:
@@ -2365,7 +2443,7 @@ mod tests {
         let mut at = start;
         for s in 0..services {
             for e in 0..per_service {
-                let facts = PodFacts::of(pod_as_sent("big", &format!("web-{s}-{e}")));
+                let facts = pod_facts(pod_as_sent("big", &format!("web-{s}-{e}")));
                 world.pods.insert(key_of(&facts), facts);
             }
         }
@@ -2472,7 +2550,7 @@ mod tests {
             for k in 0..slices {
                 for e in 0..per_slice {
                     let p = pod("big", pod_name(s, k, e), 0);
-                    world.pods.insert(key_of(&p), PodFacts::of(p));
+                    world.pods.insert(key_of(&p), pod_facts(p));
                 }
             }
         }
@@ -2533,7 +2611,7 @@ mod tests {
         for i in 0..changes {
             let s = i * 11 % services;
             let p = pod("big", pod_name(s, 1, 3), i + 1);
-            world.pods.insert(key_of(&p), PodFacts::of(p.clone()));
+            world.pods.insert(key_of(&p), pod_facts(p.clone()));
             let affected = world.pods_changed(&[key_of(&p)]);
             assert_eq!(affected.len(), 1);
             for k in &affected {
@@ -2596,7 +2674,7 @@ mod tests {
                     apply(
                         &mut world.pods,
                         &mut pod_relist,
-                        Event::InitApply(PodFacts::of(p)),
+                        Event::InitApply(pod_facts(p)),
                         &mut touched,
                     );
                 }
@@ -2740,7 +2818,7 @@ mod tests {
             }
             // Every event a new version (a status update when its facts
             // are those held), so the skip runs with times that differ.
-            let mut facts = PodFacts::of(pd);
+            let mut facts = pod_facts(pd);
             facts.changed_at = Some(k8s_openapi::jiff::Timestamp::now());
             facts
         }
