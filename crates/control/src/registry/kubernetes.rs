@@ -2264,6 +2264,94 @@ mod tests {
         assert!(wrong.to_string().contains("invalid type"), "{wrong}");
     }
 
+    /// What k8s-openapi's `Pod` read as empty (a null, a field left out),
+    /// a Pod read as watched reads as empty too, alone or in a list (one
+    /// refused would fail the whole list). (From a hostile review.)
+    #[test]
+    fn what_a_pod_read_as_empty_is_read_as_empty() {
+        use serde_json::json;
+        let meta = json!({"name": "p", "namespace": "a", "resourceVersion": "1"});
+        for (what, pod) in [
+            (
+                "metadata null",
+                json!({"metadata": null, "spec": {"containers": [{"name": "app"}]}}),
+            ),
+            (
+                "containers null",
+                json!({"metadata": meta, "spec": {"containers": null}}),
+            ),
+            ("spec null", json!({"metadata": meta, "spec": null})),
+            (
+                "a container without a name",
+                json!({"metadata": meta, "spec": {"containers": [{"image": "i"}]}}),
+            ),
+            (
+                "a container's name null",
+                json!({"metadata": meta, "spec": {"containers": [{"name": null}]}}),
+            ),
+            (
+                "labels and managed fields null",
+                json!({"metadata": {"name": "p", "labels": null, "managedFields": [{"time": null}]}}),
+            ),
+        ] {
+            let whole: Pod = serde_json::from_value(pod.clone()).expect(what);
+            let watched: WatchedPod =
+                serde_json::from_value(pod.clone()).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(PodFacts::of(watched), pod_facts(whole), "{what}");
+            let list =
+                json!({"metadata": {"resourceVersion": "9"}, "items": [{"metadata": meta}, pod]});
+            let list: kube::core::ObjectList<WatchedPod> =
+                serde_json::from_value(list).unwrap_or_else(|e| panic!("{what} in a list: {e}"));
+            assert_eq!(list.items.len(), 2);
+        }
+    }
+
+    /// What the watcher reads of each event of watched Pods: the resource
+    /// version of an added, modified or deleted Pod (its type before or
+    /// after the object), a bookmark, a `410 Gone`, and a list's metadata.
+    /// (From a hostile review.)
+    #[test]
+    fn the_watcher_reads_what_it_needs_of_watched_pods() {
+        use kube::core::{ObjectList, WatchEvent};
+        use serde_json::json;
+        let pod = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "a", "resourceVersion": "7", "uid": "u", "deletionTimestamp": "2026-12-01T10:06:00Z"},
+            "spec": {"containers": [{"name": PROXY_CONTAINER}]}});
+        for ty in ["ADDED", "MODIFIED", "DELETED"] {
+            for line in [
+                format!(r#"{{"type":"{ty}","object":{pod}}}"#),
+                format!(r#"{{"object":{pod},"type":"{ty}"}}"#),
+            ] {
+                let e: WatchEvent<WatchedPod> = serde_json::from_str(&line).unwrap();
+                let (WatchEvent::Added(p) | WatchEvent::Modified(p) | WatchEvent::Deleted(p)) = e
+                else {
+                    panic!("{line}")
+                };
+                assert_eq!(p.resource_version().as_deref(), Some("7"));
+                assert!(PodFacts::of(p).meshed);
+            }
+        }
+        let bookmark = r#"{"type":"BOOKMARK","object":{"kind":"Pod","apiVersion":"v1","metadata":{"resourceVersion":"12","annotations":{"k8s.io/initial-events-end":"true"}}}}"#;
+        let e = serde_json::from_str::<WatchEvent<WatchedPod>>(bookmark).unwrap();
+        let WatchEvent::Bookmark(b) = e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(b.metadata.resource_version, "12");
+        let gone = r#"{"type":"ERROR","object":{"kind":"Status","apiVersion":"v1","status":"Failure","message":"too old","reason":"Expired","code":410}}"#;
+        let e = serde_json::from_str::<WatchEvent<WatchedPod>>(gone).unwrap();
+        let WatchEvent::Error(s) = e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(s.code, 410);
+        let list = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "9", "continue": "c"}, "items": [pod]});
+        let l: ObjectList<WatchedPod> = serde_json::from_value(list).unwrap();
+        assert_eq!(l.metadata.resource_version.as_deref(), Some("9"));
+        assert_eq!(l.metadata.continue_.as_deref(), Some("c"));
+        let empty = json!({"metadata": {"resourceVersion": "9"}, "items": null});
+        let l: ObjectList<WatchedPod> = serde_json::from_value(empty).unwrap();
+        assert!(l.items.is_empty());
+    }
+
     /// What reading a Pod off the wire costs, as k8s-openapi's `Pod` and
     /// as watched; a measurement, run by hand: `cargo test --release -p
     /// tether-control --lib -- --ignored --nocapture pod_reading_cost`.

@@ -19,6 +19,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, ObjectM
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::watcher::Event;
 use kube::ResourceExt;
+use serde::Deserialize;
 use tether_core::authority::ServiceKey;
 
 use super::{
@@ -192,9 +193,12 @@ pub(super) struct WatchedPod {
     meshed: bool,
 }
 
+// What k8s-openapi's `Pod` reads as empty (a null, a field left out), so
+// is this: one Pod it read and this refused would fail the whole list,
+// and the watch with it, on every retry.
 #[derive(serde::Deserialize)]
 struct PodWire {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     metadata: MetaWire,
     #[serde(default)]
     spec: Option<PodSpecWire>,
@@ -219,7 +223,7 @@ struct ManagedTime {
 #[derive(serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct PodSpecWire {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     containers: Vec<Named>,
     init_containers: Option<Vec<Named>>,
     service_account_name: Option<String>,
@@ -227,7 +231,16 @@ struct PodSpecWire {
 
 #[derive(serde::Deserialize)]
 struct Named {
+    #[serde(default, deserialize_with = "null_as_default")]
     name: String,
+}
+
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + serde::Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 impl From<PodWire> for WatchedPod {
