@@ -1810,7 +1810,7 @@ mod tests {
         // A status update: skipped, the held time is the old one.
         let update = Event::Apply(facts(0, "2026-12-01T10:05:00Z"));
         assert!(run(&mut pods, &mut relist, update).is_empty());
-        let held = pods[&key].changed_at.unwrap().to_string();
+        let held = pods[&key].changed_at.0.unwrap().to_string();
         assert_eq!(held, "2026-12-01T10:00:00Z");
         // Deleted after the skipped update (the Delete names the newer one).
         let deleted = Event::Delete(facts(0, "2026-12-01T10:05:00Z"));
@@ -1828,14 +1828,14 @@ mod tests {
             if let Some(f) = listed {
                 touched.extend(run(&mut pods, &mut relist, Event::InitApply(f)));
             }
-            let held = pods.get(&key).map(|p| (p.labels.clone(), p.changed_at));
+            let held = pods.get(&key).map(|p| (p.labels.clone(), p.changed_at.0));
             touched.extend(run(&mut pods, &mut relist, Event::InitDone));
             assert_eq!(touched, want);
             // Listed as held: the held version stays, and with it the
             // labels its endpoints share.
             if let (Some((labels, at)), true) = (held, want.is_empty()) {
                 assert!(Arc::ptr_eq(&pods[&key].labels, &labels));
-                assert_eq!(pods[&key].changed_at, at);
+                assert_eq!(pods[&key].changed_at.0, at);
             }
         }
         assert!(pods.is_empty());
@@ -1917,7 +1917,7 @@ mod tests {
         assert_eq!(key_of(&facts), key_of(&sent));
         assert_eq!(facts.service, Some(ServiceKey::new("web", "a")));
         assert_eq!(
-            facts.changed_at.map(|t| t.to_string()),
+            facts.changed_at.0.map(|t| t.to_string()),
             Some("2026-12-01T10:00:07Z".into())
         );
         let mut world = World::default();
@@ -2104,7 +2104,7 @@ mod tests {
             BTreeMap::from([(RETRY_BUDGET.to_string(), "0.2/10".to_string())])
         );
         assert_eq!(
-            facts.changed_at.map(|t| t.to_string()),
+            facts.changed_at.0.map(|t| t.to_string()),
             Some("2026-11-02T08:00:00Z".into())
         );
         let mut headless = sent.clone();
@@ -2163,9 +2163,9 @@ mod tests {
         let sent = pod_as_sent("a", "web-1");
         let facts = pod_facts(sent.clone());
         assert_eq!(key_of(&facts), key_of(&sent));
-        assert_eq!(facts.changed_at, sent.changed_at());
+        assert_eq!(facts.changed_at.0, sent.changed_at());
         assert_eq!(
-            facts.changed_at.map(|t| t.to_string()),
+            facts.changed_at.0.map(|t| t.to_string()),
             Some("2026-12-01T10:00:07Z".into())
         );
         let from_facts = endpoints_naming(facts.clone(), None);
@@ -2189,7 +2189,7 @@ mod tests {
         reported.metadata.resource_version = Some("123456790".into());
         let later = pod_facts(reported);
         assert_eq!(later, facts);
-        assert_ne!(later.changed_at, facts.changed_at);
+        assert_ne!(later.changed_at.0, facts.changed_at.0);
         let mut pods = HashMap::from([(key_of(&facts), facts.clone())]);
         let mut touched = Vec::new();
         apply(&mut pods, &mut None, Event::Apply(later), &mut touched);
@@ -2721,7 +2721,7 @@ mod tests {
         for i in 0..changes {
             let s = i * 13 % services;
             let mut update = world.pods[&("big".to_string(), pod_name(s, 1, 2))].clone();
-            update.changed_at = Some(k8s_openapi::jiff::Timestamp::now());
+            update.changed_at.0 = Some(k8s_openapi::jiff::Timestamp::now());
             let mut touched = Vec::new();
             apply(
                 &mut world.pods,
@@ -2907,7 +2907,7 @@ mod tests {
             // Every event a new version (a status update when its facts
             // are those held), so the skip runs with times that differ.
             let mut facts = pod_facts(pd);
-            facts.changed_at = Some(k8s_openapi::jiff::Timestamp::now());
+            facts.changed_at.0 = Some(k8s_openapi::jiff::Timestamp::now());
             facts
         }
 
