@@ -43,7 +43,6 @@ use std::time::Instant;
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{Namespace, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
@@ -62,7 +61,7 @@ use tether_core::route::{Route, RouteKey, RouteKind};
 use tether_core::truncate::bounded_message;
 
 use super::{Registry, RegistryError};
-use facts::{facts, PodFacts, ServiceFacts, SliceFacts, Watched, WatchedPod};
+use facts::{facts, PodFacts, ServiceFacts, SliceFacts, Watched, WatchedPod, WatchedSlice};
 
 mod facts;
 use crate::index::{EndpointList, Index, ServiceState};
@@ -917,7 +916,7 @@ impl Registry for KubernetesRegistry {
             futures::stream::select(
                 watch::<Service>(&self.client)
                     .map(|e| e.map(|e| Change::Service(facts(e, ServiceFacts::of)))),
-                watch::<EndpointSlice>(&self.client)
+                watch::<WatchedSlice>(&self.client)
                     .map(|e| e.map(|e| Change::Slice(facts(e, SliceFacts::of)))),
             ),
             futures::stream::select(
@@ -1105,7 +1104,9 @@ mod tests {
     use k8s_openapi::api::core::v1::{
         Container, ObjectReference, Pod, PodSpec, ServicePort, ServiceSpec,
     };
-    use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
+    use k8s_openapi::api::discovery::v1::{
+        Endpoint, EndpointConditions, EndpointPort, EndpointSlice,
+    };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     use proptest::prelude::*;
 
@@ -1114,6 +1115,13 @@ mod tests {
     fn pod_facts(pod: Pod) -> PodFacts {
         let json = serde_json::to_vec(&pod).expect("a Pod as JSON");
         PodFacts::of(serde_json::from_slice(&json).expect("a Pod read as watched"))
+    }
+
+    /// A slice's facts as the watch reads them: the slice as JSON, read
+    /// back as a [`WatchedSlice`].
+    fn slice_facts(slice: EndpointSlice) -> SliceFacts {
+        let json = serde_json::to_vec(&slice).expect("a slice as JSON");
+        SliceFacts::of(serde_json::from_slice(&json).expect("a slice read as watched"))
     }
 
     fn meta(ns: &str, name: String, labels: &[(&str, String)]) -> ObjectMeta {
@@ -1209,7 +1217,7 @@ mod tests {
         relist: &mut Option<HashMap<(String, String), SliceFacts>>,
         e: Event<EndpointSlice>,
     ) -> BTreeMap<ServiceKey, usize> {
-        on_slice_facts(world, relist, facts(e, SliceFacts::of))
+        on_slice_facts(world, relist, facts(e, slice_facts))
     }
 
     /// As [`on_slices`], for an event of facts.
@@ -1581,7 +1589,7 @@ mod tests {
                         (vec![key_of(&s)], on_slices(&mut world, &mut relist, Event::Apply(s)))
                     }
                     SliceEvent::Delete(spec, other) => {
-                        let Some(sent) = deleted(&world.slices, SliceFacts::of(build(&spec)), other) else {
+                        let Some(sent) = deleted(&world.slices, slice_facts(build(&spec)), other) else {
                             continue;
                         };
                         (vec![key_of(&sent)], on_slice_facts(&mut world, &mut relist, Event::Delete(sent)))
@@ -1913,7 +1921,7 @@ mod tests {
     fn a_slice_keeps_what_the_registry_reads() {
         let pods = [("web-0".to_string(), 1), ("web-1".to_string(), 2)];
         let sent = slice_as_sent("a", "web", "web-x7k2p", &pods);
-        let facts = SliceFacts::of(sent.clone());
+        let facts = slice_facts(sent.clone());
         assert_eq!(key_of(&facts), key_of(&sent));
         assert_eq!(facts.service, Some(ServiceKey::new("web", "a")));
         assert_eq!(
@@ -1995,7 +2003,7 @@ mod tests {
             apply(
                 &mut slices,
                 &mut None,
-                Event::Apply(SliceFacts::of(changed)),
+                Event::Apply(slice_facts(changed)),
                 &mut touched,
             );
             !touched.is_empty()
@@ -2058,7 +2066,7 @@ mod tests {
             port: Some(70_000),
             ..EndpointPort::default()
         });
-        let odd = SliceFacts::of(odd);
+        let odd = slice_facts(odd);
         let ports: Vec<_> = odd
             .ports
             .iter()
@@ -2152,7 +2160,7 @@ mod tests {
                 Some("web".into()),
                 vec![endpoint(1, true, target)],
             );
-            world.slices.insert(key_of(&s), SliceFacts::of(s.clone()));
+            world.slices.insert(key_of(&s), slice_facts(s.clone()));
             world.slices_changed(vec![key_of(&s)]);
             let key = ServiceKey::new("web", "a");
             world
@@ -2352,6 +2360,119 @@ mod tests {
         assert!(l.items.is_empty());
     }
 
+    /// A slice is read off the wire as its facts need: the watch asks for
+    /// EndpointSlices, and what k8s-openapi's `EndpointSlice` read as
+    /// empty (a null, a field left out) is read as empty, alone or in a
+    /// list (one refused would fail the whole list).
+    #[test]
+    fn a_slice_is_read_off_the_wire_as_its_facts_need() {
+        use serde_json::json;
+        assert_eq!(
+            <WatchedSlice as kube::Resource>::url_path(&(), Some("a")),
+            <EndpointSlice as kube::Resource>::url_path(&(), Some("a"))
+        );
+        let meta = json!({"name": "s", "namespace": "a", "resourceVersion": "1",
+            "labels": {SERVICE_NAME_LABEL: "web"}});
+        let endpoint = |ep: serde_json::Value| {
+            json!({"metadata": meta, "addressType": "IPv4", "endpoints": [ep],
+                "ports": [{"name": "http", "port": 8080}]})
+        };
+        let cases = [
+            (
+                "metadata null",
+                json!({"metadata": null, "addressType": "IPv4", "endpoints": []}),
+                0,
+            ),
+            (
+                "endpoints and ports null",
+                json!({"metadata": meta, "addressType": "IPv4", "endpoints": null, "ports": null}),
+                0,
+            ),
+            ("addresses null", endpoint(json!({"addresses": null})), 1),
+            (
+                "conditions, hints and reference null",
+                endpoint(
+                    json!({"addresses": ["10.0.0.1"], "conditions": null, "hints": null, "targetRef": null}),
+                ),
+                1,
+            ),
+            (
+                "a zone hint's name null",
+                endpoint(
+                    json!({"addresses": ["10.0.0.1"], "hints": {"forZones": [{"name": null}]}}),
+                ),
+                1,
+            ),
+            (
+                "unread fields of any shape",
+                endpoint(
+                    json!({"addresses": ["10.0.0.1"], "nodeName": 7, "conditions": {"serving": "yes"}, "extra": [null]}),
+                ),
+                1,
+            ),
+        ];
+        for (what, slice, endpoints) in cases {
+            let watched: WatchedSlice =
+                serde_json::from_value(slice.clone()).unwrap_or_else(|e| panic!("{what}: {e}"));
+            let facts = SliceFacts::of(watched);
+            assert_eq!(facts.endpoints.len(), endpoints, "{what}");
+            if what != "unread fields of any shape" {
+                let whole: EndpointSlice = serde_json::from_value(slice.clone()).expect(what);
+                assert_eq!(facts, slice_facts(whole), "{what}");
+            }
+            let list = json!({"metadata": {"resourceVersion": "9"}, "items": [slice, slice]});
+            let list: kube::core::ObjectList<WatchedSlice> =
+                serde_json::from_value(list).unwrap_or_else(|e| panic!("{what} in a list: {e}"));
+            assert_eq!(list.items.len(), 2);
+        }
+        let hinted = serde_json::from_value::<WatchedSlice>(endpoint(
+            json!({"addresses": ["10.0.0.1"], "hints": {"forZones": [{"name": "eu-west-1a"}]}}),
+        ));
+        let hinted = SliceFacts::of(hinted.unwrap());
+        assert_eq!(hinted.endpoints[0].zone.as_deref(), Some("eu-west-1a"));
+        assert_eq!(hinted.service, Some(ServiceKey::new("web", "a")));
+        assert!(hinted.endpoints[0].ready);
+        let wrong = serde_json::from_value::<WatchedSlice>(
+            json!({"endpoints": [{"addresses": "10.0.0.1"}]}),
+        );
+        assert!(wrong.unwrap_err().to_string().contains("invalid type"));
+    }
+
+    /// What reading a slice of 100 endpoints off the wire costs, as
+    /// k8s-openapi's `EndpointSlice` and as watched; a measurement, run by
+    /// hand: `cargo test --release -p tether-control --lib -- --ignored
+    /// --nocapture slice_reading_cost`.
+    #[test]
+    #[ignore]
+    fn slice_reading_cost() {
+        let pods: Vec<_> = (0..100).map(|e| (format!("web-{e}"), e)).collect();
+        let json = serde_json::to_vec(&slice_as_sent("big", "web", "web-x", &pods)).unwrap();
+        let n = 2_000u32;
+        let started = Instant::now();
+        for _ in 0..n {
+            let slice: EndpointSlice = serde_json::from_slice(&json).unwrap();
+            std::hint::black_box(slice);
+        }
+        let whole = started.elapsed() / n;
+        let started = Instant::now();
+        for _ in 0..n {
+            let slice: WatchedSlice = serde_json::from_slice(&json).unwrap();
+            std::hint::black_box(SliceFacts::of(slice));
+        }
+        let watched = started.elapsed() / n;
+        let started = Instant::now();
+        for _ in 0..n {
+            let skipped: serde::de::IgnoredAny = serde_json::from_slice(&json).unwrap();
+            std::hint::black_box(skipped);
+        }
+        eprintln!(
+            "a slice of 100 endpoints, {} bytes of JSON: read as an EndpointSlice {whole:?}, as \
+             watched (and its facts) {watched:?}, skipped whole {:?}",
+            json.len(),
+            started.elapsed() / n
+        );
+    }
+
     /// What reading a Pod off the wire costs, as k8s-openapi's `Pod` and
     /// as watched; a measurement, run by hand: `cargo test --release -p
     /// tether-control --lib -- --ignored --nocapture pod_reading_cost`.
@@ -2548,7 +2669,7 @@ mod tests {
                 &names,
             );
             slices.push(key_of(&sl));
-            world.slices.insert(key_of(&sl), SliceFacts::of(sl));
+            world.slices.insert(key_of(&sl), slice_facts(sl));
         }
         step("the EndpointSlices", &mut at);
         world.slices_changed(slices);
@@ -2943,7 +3064,7 @@ mod tests {
                 3 => vec![port(Some("other"), 7070)],
                 _ => vec![port(Some("http"), 8080), port(Some("x"), 8080)],
             });
-            SliceFacts::of(sl)
+            slice_facts(sl)
         }
 
         fn sspec() -> impl Strategy<Value = SSpec> {

@@ -224,9 +224,8 @@ where
     Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
-impl From<PodWire> for WatchedPod {
-    fn from(pod: PodWire) -> Self {
-        let m = pod.metadata;
+impl From<MetaWire> for ObjectMeta {
+    fn from(m: MetaWire) -> Self {
         let managed_fields = m.managed_fields.map(|fields| {
             fields
                 .into_iter()
@@ -236,6 +235,20 @@ impl From<PodWire> for WatchedPod {
                 })
                 .collect()
         });
+        ObjectMeta {
+            name: m.name,
+            namespace: m.namespace,
+            labels: m.labels,
+            resource_version: m.resource_version,
+            creation_timestamp: m.creation_timestamp,
+            managed_fields,
+            ..ObjectMeta::default()
+        }
+    }
+}
+
+impl From<PodWire> for WatchedPod {
+    fn from(pod: PodWire) -> Self {
         let spec = pod.spec;
         let meshed = spec.as_ref().is_some_and(|s| {
             s.containers
@@ -244,41 +257,101 @@ impl From<PodWire> for WatchedPod {
                 .any(|c| c.name == PROXY_CONTAINER)
         });
         Self {
-            metadata: ObjectMeta {
-                name: m.name,
-                namespace: m.namespace,
-                labels: m.labels,
-                resource_version: m.resource_version,
-                creation_timestamp: m.creation_timestamp,
-                managed_fields,
-                ..ObjectMeta::default()
-            },
+            metadata: pod.metadata.into(),
             service_account: spec.and_then(|s| s.service_account_name),
             meshed,
         }
     }
 }
 
-/// Watched as Pods are: the same API path and kind.
-impl k8s_openapi::Resource for WatchedPod {
-    const API_VERSION: &'static str = <Pod as k8s_openapi::Resource>::API_VERSION;
-    const GROUP: &'static str = <Pod as k8s_openapi::Resource>::GROUP;
-    const KIND: &'static str = <Pod as k8s_openapi::Resource>::KIND;
-    const VERSION: &'static str = <Pod as k8s_openapi::Resource>::VERSION;
-    const URL_PATH_SEGMENT: &'static str = <Pod as k8s_openapi::Resource>::URL_PATH_SEGMENT;
-    type Scope = <Pod as k8s_openapi::Resource>::Scope;
+/// A type read off the wire as `$as` is watched as `$as`: the same API
+/// path and kind.
+macro_rules! watched_as {
+    ($($watched:ty => $as:ty),*) => {$(
+        impl k8s_openapi::Resource for $watched {
+            const API_VERSION: &'static str = <$as as k8s_openapi::Resource>::API_VERSION;
+            const GROUP: &'static str = <$as as k8s_openapi::Resource>::GROUP;
+            const KIND: &'static str = <$as as k8s_openapi::Resource>::KIND;
+            const VERSION: &'static str = <$as as k8s_openapi::Resource>::VERSION;
+            const URL_PATH_SEGMENT: &'static str =
+                <$as as k8s_openapi::Resource>::URL_PATH_SEGMENT;
+            type Scope = <$as as k8s_openapi::Resource>::Scope;
+        }
+
+        impl k8s_openapi::Metadata for $watched {
+            type Ty = ObjectMeta;
+
+            fn metadata(&self) -> &ObjectMeta {
+                &self.metadata
+            }
+
+            fn metadata_mut(&mut self) -> &mut ObjectMeta {
+                &mut self.metadata
+            }
+        }
+    )*};
 }
 
-impl k8s_openapi::Metadata for WatchedPod {
-    type Ty = ObjectMeta;
+watched_as!(WatchedPod => Pod, WatchedSlice => EndpointSlice);
 
-    fn metadata(&self) -> &ObjectMeta {
-        &self.metadata
-    }
+/// An EndpointSlice as the registry's watch reads it off the wire: what
+/// [`SliceFacts`] keeps, each endpoint's node, `serving` and
+/// `terminating` conditions, its reference's uid and the managed fields'
+/// field sets skipped unbuilt (`slice_reading_cost`). Null or missing
+/// where k8s-openapi's `EndpointSlice` reads empty, read empty.
+#[derive(Clone, Debug, serde::Deserialize)]
+pub(super) struct WatchedSlice {
+    #[serde(default, deserialize_with = "meta_or_default")]
+    metadata: ObjectMeta,
+    #[serde(default, deserialize_with = "null_as_default")]
+    ports: Vec<PortWire>,
+    #[serde(default, deserialize_with = "null_as_default")]
+    endpoints: Vec<EndpointWire>,
+}
 
-    fn metadata_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
+fn meta_or_default<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
+    Ok(null_as_default::<D, MetaWire>(d)?.into())
+}
+
+#[derive(Clone, Debug, serde::Deserialize)]
+struct PortWire {
+    name: Option<String>,
+    port: Option<i32>,
+}
+
+#[derive(Clone, Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EndpointWire {
+    #[serde(default, deserialize_with = "null_as_default")]
+    addresses: Vec<String>,
+    conditions: Option<ConditionsWire>,
+    zone: Option<String>,
+    hints: Option<HintsWire>,
+    target_ref: Option<ReferenceWire>,
+}
+
+#[derive(Clone, Debug, serde::Deserialize)]
+struct ConditionsWire {
+    ready: Option<bool>,
+}
+
+#[derive(Clone, Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct HintsWire {
+    for_zones: Option<Vec<ZoneWire>>,
+}
+
+#[derive(Clone, Debug, serde::Deserialize)]
+struct ZoneWire {
+    #[serde(default, deserialize_with = "null_as_default")]
+    name: String,
+}
+
+#[derive(Clone, Debug, serde::Deserialize)]
+struct ReferenceWire {
+    kind: Option<String>,
+    name: Option<String>,
+    namespace: Option<String>,
 }
 
 /// What the registry reads of an EndpointSlice: its service, its ports,
@@ -337,7 +410,7 @@ impl SliceFacts {
     /// Nothing built from a slice shares its parts.
     fn share_with(&mut self, _held: &Self) {}
 
-    pub fn of(slice: EndpointSlice) -> Self {
+    pub fn of(slice: WatchedSlice) -> Self {
         let changed_at = ChangedAt(slice.changed_at());
         let service = slice
             .labels()
@@ -348,7 +421,6 @@ impl SliceFacts {
         let ports = slice
             .ports
             .into_iter()
-            .flatten()
             .filter_map(|p| {
                 let port = u16::try_from(p.port?).ok()?;
                 Some(SlicePort { name: p.name, port })
@@ -357,7 +429,6 @@ impl SliceFacts {
         let endpoints = slice
             .endpoints
             .into_iter()
-            .flatten()
             .map(|ep| {
                 let zone = ep.zone.or_else(|| {
                     ep.hints
