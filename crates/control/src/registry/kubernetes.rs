@@ -2438,6 +2438,42 @@ mod tests {
         assert!(wrong.unwrap_err().to_string().contains("invalid type"));
     }
 
+    /// What reading `json` off the wire costs `n` times: as the object
+    /// `Whole` (k8s-openapi's), as `Watched` with its facts taken by
+    /// `facts`, and skipped whole; printed for `what`.
+    fn reading_cost<Whole, Watched, Facts>(
+        what: &str,
+        json: &[u8],
+        n: u32,
+        facts: impl Fn(Watched) -> Facts,
+    ) where
+        Whole: serde::de::DeserializeOwned,
+        Watched: serde::de::DeserializeOwned,
+    {
+        let started = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(serde_json::from_slice::<Whole>(json).unwrap());
+        }
+        let whole = started.elapsed() / n;
+        let started = Instant::now();
+        for _ in 0..n {
+            let watched: Watched = serde_json::from_slice(json).unwrap();
+            std::hint::black_box(facts(watched));
+        }
+        let watched = started.elapsed() / n;
+        let started = Instant::now();
+        for _ in 0..n {
+            let skipped: serde::de::IgnoredAny = serde_json::from_slice(json).unwrap();
+            std::hint::black_box(skipped);
+        }
+        eprintln!(
+            "{what}, {} bytes of JSON: read whole {whole:?}, as watched (and its facts) \
+             {watched:?}, skipped whole {:?}",
+            json.len(),
+            started.elapsed() / n
+        );
+    }
+
     /// What reading a slice of 100 endpoints off the wire costs, as
     /// k8s-openapi's `EndpointSlice` and as watched; a measurement, run by
     /// hand: `cargo test --release -p tether-control --lib -- --ignored
@@ -2447,30 +2483,8 @@ mod tests {
     fn slice_reading_cost() {
         let pods: Vec<_> = (0..100).map(|e| (format!("web-{e}"), e)).collect();
         let json = serde_json::to_vec(&slice_as_sent("big", "web", "web-x", &pods)).unwrap();
-        let n = 2_000u32;
-        let started = Instant::now();
-        for _ in 0..n {
-            let slice: EndpointSlice = serde_json::from_slice(&json).unwrap();
-            std::hint::black_box(slice);
-        }
-        let whole = started.elapsed() / n;
-        let started = Instant::now();
-        for _ in 0..n {
-            let slice: WatchedSlice = serde_json::from_slice(&json).unwrap();
-            std::hint::black_box(SliceFacts::of(slice));
-        }
-        let watched = started.elapsed() / n;
-        let started = Instant::now();
-        for _ in 0..n {
-            let skipped: serde::de::IgnoredAny = serde_json::from_slice(&json).unwrap();
-            std::hint::black_box(skipped);
-        }
-        eprintln!(
-            "a slice of 100 endpoints, {} bytes of JSON: read as an EndpointSlice {whole:?}, as \
-             watched (and its facts) {watched:?}, skipped whole {:?}",
-            json.len(),
-            started.elapsed() / n
-        );
+        let what = "a slice of 100 endpoints";
+        reading_cost::<EndpointSlice, WatchedSlice, _>(what, &json, 2_000, SliceFacts::of);
     }
 
     /// What reading a Pod off the wire costs, as k8s-openapi's `Pod` and
@@ -2480,30 +2494,7 @@ mod tests {
     #[ignore]
     fn pod_reading_cost() {
         let json = serde_json::to_vec(&pod_as_sent("big", "web-1")).unwrap();
-        let n = 20_000u32;
-        let started = Instant::now();
-        for _ in 0..n {
-            let pod: Pod = serde_json::from_slice(&json).unwrap();
-            std::hint::black_box(pod);
-        }
-        let whole = started.elapsed() / n;
-        let started = Instant::now();
-        for _ in 0..n {
-            let pod: WatchedPod = serde_json::from_slice(&json).unwrap();
-            std::hint::black_box(PodFacts::of(pod));
-        }
-        let watched = started.elapsed() / n;
-        let started = Instant::now();
-        for _ in 0..n {
-            let skipped: serde::de::IgnoredAny = serde_json::from_slice(&json).unwrap();
-            std::hint::black_box(skipped);
-        }
-        eprintln!(
-            "a Pod of {} bytes of JSON: read as a Pod {whole:?}, as watched (and its facts) \
-             {watched:?}, skipped whole {:?}",
-            json.len(),
-            started.elapsed() / n
-        );
+        reading_cost::<Pod, WatchedPod, _>("a Pod", &json, 20_000, PodFacts::of);
     }
 
     /// What 20,000 Pods cost held as sent, and as the registry keeps them:
