@@ -271,7 +271,8 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     for (name, f) in rows {
-        let (o, n) = (median(old.iter().map(f)), median(new.iter().map(f)));
+        let median_of = |runs: &[Outcome]| tether_bench::median(runs.iter().map(f).collect());
+        let (o, n) = (median_of(&old), median_of(&new));
         let ratios: Vec<f64> = old.iter().zip(&new).map(|(o, n)| f(n) / f(o)).collect();
         let spread = match ratios.len() {
             1 => String::new(),
@@ -285,17 +286,6 @@ async fn main() -> anyhow::Result<()> {
         println!("| {name} | {o:.2} | {n:.2} | {:.2} |{spread}", n / o);
     }
     Ok(())
-}
-
-/// The median of `values` (the mean of the middle two for an even count).
-fn median(values: impl Iterator<Item = f64>) -> f64 {
-    let mut v: Vec<f64> = values.collect();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
@@ -551,13 +541,6 @@ async fn run(args: &Args, tether: &Path) -> anyhow::Result<Outcome> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_median_is_the_middle_value_or_the_middle_two_s_mean() {
-        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), 2.0);
-        assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), 2.5);
-        assert_eq!(median([7.0].into_iter()), 7.0);
-        assert!(median(std::iter::empty()).is_nan());
-    }
     use tether_core::registry::{parse_documents, EndpointSpec, EndpointsDoc};
 
     #[test]

@@ -236,9 +236,33 @@ pub fn metric_sum(scrape: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 
 pub use tether_mesh_up::ports::reserve_ports;
 
+/// The median of `v`, NaNs left out (the mean of the middle two for an
+/// even count; NaN for none).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| !x.is_nan());
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_median_is_the_middle_value_or_the_middle_two_s_mean() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(vec![7.0, f64::NAN]), 7.0);
+        assert!(median(Vec::new()).is_nan());
+    }
 
     #[test]
     fn the_cpu_model_is_the_first_model_name_bounded() {

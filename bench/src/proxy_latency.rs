@@ -409,20 +409,6 @@ fn f(v: &serde_json::Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or(f64::NAN)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.retain(|x| !x.is_nan());
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// What one open-loop run at one rate measured on one route.
 #[derive(Clone, Copy, Default)]
 struct Fixed {
@@ -480,19 +466,19 @@ impl Samples {
             .fixed
             .iter()
             .map(|reps| Fixed {
-                p: [0, 1, 2].map(|i| median(reps.iter().map(|r| r.p[i]).collect())),
-                cpu_per_k: median(reps.iter().map(|r| r.cpu_per_k).collect()),
-                user_per_k: median(reps.iter().map(|r| r.user_per_k).collect()),
-                wait_us: median(reps.iter().map(|r| r.wait_us).collect()),
-                slices: median(reps.iter().map(|r| r.slices).collect()),
-                preempted: median(reps.iter().map(|r| r.preempted).collect()),
+                p: [0, 1, 2].map(|i| tether_bench::median(reps.iter().map(|r| r.p[i]).collect())),
+                cpu_per_k: tether_bench::median(reps.iter().map(|r| r.cpu_per_k).collect()),
+                user_per_k: tether_bench::median(reps.iter().map(|r| r.user_per_k).collect()),
+                wait_us: tether_bench::median(reps.iter().map(|r| r.wait_us).collect()),
+                slices: tether_bench::median(reps.iter().map(|r| r.slices).collect()),
+                preempted: tether_bench::median(reps.iter().map(|r| r.preempted).collect()),
             })
             .collect();
         Summary {
             fixed,
-            max_rps: median(self.max_rps.clone()),
-            max_cpu_per_k: median(self.max_cpu_per_k.clone()),
-            rss_mib: median(
+            max_rps: tether_bench::median(self.max_rps.clone()),
+            max_cpu_per_k: tether_bench::median(self.max_cpu_per_k.clone()),
+            rss_mib: tether_bench::median(
                 self.rss_mib
                     .iter()
                     .map(|r| r.iter().copied().fold(f64::NAN, f64::max))
