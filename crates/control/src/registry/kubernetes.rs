@@ -1110,18 +1110,20 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     use proptest::prelude::*;
 
-    /// A Pod's facts as the watch reads them: the Pod as JSON, read back
-    /// as a [`WatchedPod`].
-    fn pod_facts(pod: Pod) -> PodFacts {
-        let json = serde_json::to_vec(&pod).expect("a Pod as JSON");
-        PodFacts::of(serde_json::from_slice(&json).expect("a Pod read as watched"))
+    /// An object as the watch reads it: as JSON, read back as watched.
+    fn read_as_watched<W: serde::de::DeserializeOwned>(object: &impl serde::Serialize) -> W {
+        let json = serde_json::to_vec(object).expect("an object as JSON");
+        serde_json::from_slice(&json).expect("an object read as watched")
     }
 
-    /// A slice's facts as the watch reads them: the slice as JSON, read
-    /// back as a [`WatchedSlice`].
+    /// A Pod's facts as the watch reads them.
+    fn pod_facts(pod: Pod) -> PodFacts {
+        PodFacts::of(read_as_watched(&pod))
+    }
+
+    /// A slice's facts as the watch reads them.
     fn slice_facts(slice: EndpointSlice) -> SliceFacts {
-        let json = serde_json::to_vec(&slice).expect("a slice as JSON");
-        SliceFacts::of(serde_json::from_slice(&json).expect("a slice read as watched"))
+        SliceFacts::of(read_as_watched(&slice))
     }
 
     fn meta(ns: &str, name: String, labels: &[(&str, String)]) -> ObjectMeta {

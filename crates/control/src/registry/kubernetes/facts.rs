@@ -412,12 +412,13 @@ impl SliceFacts {
 
     pub fn of(slice: WatchedSlice) -> Self {
         let changed_at = ChangedAt(slice.changed_at());
-        let service = slice
-            .labels()
-            .get(SERVICE_NAME_LABEL)
-            .map(|name| ServiceKey::new(name, slice.namespace().unwrap_or_default()));
         let meta = slice.metadata;
         let namespace = meta.namespace.unwrap_or_default();
+        let service = meta
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(SERVICE_NAME_LABEL))
+            .map(|name| ServiceKey::new(name, &namespace));
         let ports = slice
             .ports
             .into_iter()
