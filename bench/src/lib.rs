@@ -183,6 +183,39 @@ pub fn sched(pid: u32) -> Sched {
     out
 }
 
+/// TCP segments sent so far in the network namespaces `pids` run in, each
+/// namespace counted once (`Tcp: OutSegs` of `/proc/PID/net/snmp`): with
+/// each pod in a namespace of its own, every hop of a request and its
+/// acknowledgements. None when a process is gone or shares this process's
+/// namespace, where the count would be the whole machine's.
+pub fn tcp_segments_sent(pids: &[u32]) -> Option<u64> {
+    let namespace = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/net")).ok();
+    let own = namespace("self")?;
+    let mut seen = Vec::new();
+    let mut sent = 0;
+    for pid in pids {
+        let ns = namespace(&pid.to_string())?;
+        if ns == own {
+            return None;
+        }
+        if seen.contains(&ns) {
+            continue;
+        }
+        let snmp = std::fs::read_to_string(format!("/proc/{pid}/net/snmp")).ok()?;
+        sent += out_segments(&snmp)?;
+        seen.push(ns);
+    }
+    Some(sent)
+}
+
+/// `OutSegs` of `/proc/net/snmp`'s two `Tcp:` lines (names, then values).
+fn out_segments(snmp: &str) -> Option<u64> {
+    let mut tcp = snmp.lines().filter(|l| l.starts_with("Tcp:"));
+    let (names, values) = (tcp.next()?, tcp.next()?);
+    let at = names.split_whitespace().position(|n| n == "OutSegs")?;
+    values.split_whitespace().nth(at)?.parse().ok()
+}
+
 /// `nonvoluntary_ctxt_switches` of a task's `/proc/.../status`, 0 when absent.
 fn preempted(status: &str) -> u64 {
     status
@@ -285,6 +318,17 @@ mod tests {
         let me = sched(std::process::id());
         assert!(me.timeslices > 0, "{me:?}");
         assert!(sched(u32::MAX).waited_s.is_nan());
+    }
+
+    #[test]
+    fn out_segments_are_read_by_their_column() {
+        let snmp = "Ip: Forwarding DefaultTTL\nIp: 1 64\n\
+                    Tcp: RtoAlgorithm ActiveOpens InSegs OutSegs RetransSegs\n\
+                    Tcp: 1 7 1200 1187 3\nUdp: InDatagrams\nUdp: 5\n";
+        assert_eq!(out_segments(snmp), Some(1187));
+        assert_eq!(out_segments("Tcp: RtoAlgorithm OutSegs\n"), None);
+        assert_eq!(out_segments("Tcp: InSegs\nTcp: 4\n"), None);
+        assert_eq!(tcp_segments_sent(&[std::process::id()]), None);
     }
 
     #[test]

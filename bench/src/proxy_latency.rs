@@ -422,6 +422,9 @@ struct Fixed {
     wait_us: f64,
     slices: f64,
     preempted: f64,
+    /// TCP segments sent per request in the route's pods (`--netns`;
+    /// NaN over loopback, where the count is the machine's).
+    segments: f64,
 }
 
 /// Every repetition's figures for one route.
@@ -472,6 +475,7 @@ impl Samples {
                 wait_us: tether_bench::median(reps.iter().map(|r| r.wait_us).collect()),
                 slices: tether_bench::median(reps.iter().map(|r| r.slices).collect()),
                 preempted: tether_bench::median(reps.iter().map(|r| r.preempted).collect()),
+                segments: tether_bench::median(reps.iter().map(|r| r.segments).collect()),
             })
             .collect();
         Summary {
@@ -1264,6 +1268,7 @@ async fn main() -> anyhow::Result<()> {
                 let before = cpu(r);
                 let user_before = user(r);
                 let sched_before = sched(r);
+                let segments_before = tether_bench::tcp_segments_sent(&r.pids);
                 let perf = profile(&args, rep, r, &rate.to_string())?;
                 let counting = count_syscalls(&args, rep, r, &dir)?;
                 let allocs = count_allocs(&args, rep, r, &dir, &mut probes)?;
@@ -1280,6 +1285,9 @@ async fn main() -> anyhow::Result<()> {
                         .collect();
                 }
                 let sched_after = sched(r);
+                let segments = segments_before
+                    .zip(tether_bench::tcp_segments_sent(&r.pids))
+                    .map_or(f64::NAN, |(b, a)| a.saturating_sub(b) as f64 / sent);
                 sample.allocs[ri].extend(
                     allocs
                         .into_iter()
@@ -1308,6 +1316,7 @@ async fn main() -> anyhow::Result<()> {
                         / sent,
                     preempted: sched_after.preempted.saturating_sub(sched_before.preempted) as f64
                         / sent,
+                    segments,
                 });
                 drop(perf);
                 check_counted(r, &counted, &report).await?;
@@ -2114,6 +2123,16 @@ fn report_sched(args: &Args, routes: &[Route], sums: &[Summary]) {
             )
         },
     );
+    if sums
+        .iter()
+        .any(|s| s.fixed.iter().any(|x| x.segments.is_finite()))
+    {
+        per_rate(
+            "TCP segments sent per request in the route's two pods (medians; every hop, both \
+             ways, acknowledgements included)",
+            &|x| format!("{:>5.2}", x.segments),
+        );
+    }
 }
 
 /// Below this, a path's added latency is not told apart from direct's run
