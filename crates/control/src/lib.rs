@@ -26,6 +26,7 @@ pub mod endpoints;
 pub mod identity;
 pub mod inbound_policy;
 pub mod index;
+mod memory;
 pub mod metrics;
 pub mod multicluster;
 pub mod outbound;

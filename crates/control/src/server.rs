@@ -472,7 +472,7 @@ async fn audit_loop(
         subscriptions.audit(&index, &metrics);
         index.collect_garbage();
         if trim.due(subscriptions.len()) {
-            tokio::task::spawn_blocking(release_free_memory);
+            tokio::task::spawn_blocking(crate::memory::release_free_memory);
         }
     }
 }
@@ -497,15 +497,6 @@ impl Trim {
             return true;
         }
         false
-    }
-}
-
-fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: malloc_trim only returns free heap pages to the kernel.
-        unsafe { libc::malloc_trim(0) };
-        tracing::debug!("returned freed memory to the operating system");
     }
 }
 
