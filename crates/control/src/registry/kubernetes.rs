@@ -61,7 +61,9 @@ use tether_core::route::{Route, RouteKey, RouteKind};
 use tether_core::truncate::bounded_message;
 
 use super::{Registry, RegistryError};
-use facts::{facts, PodFacts, ServiceFacts, SliceFacts, Watched, WatchedPod, WatchedSlice};
+use facts::{
+    facts, LabelSets, PodFacts, ServiceFacts, SliceFacts, Watched, WatchedPod, WatchedSlice,
+};
 
 mod facts;
 use crate::index::{EndpointList, Index, ServiceState};
@@ -181,6 +183,8 @@ struct World {
     services: HashMap<(String, String), ServiceFacts>,
     slices: HashMap<(String, String), SliceFacts>,
     pods: HashMap<(String, String), PodFacts>,
+    /// The Pods' label sets, each held once.
+    label_sets: LabelSets,
     http_routes: HashMap<(String, String), DynamicObject>,
     grpc_routes: HashMap<(String, String), DynamicObject>,
     /// The valid routes, by kind, namespace and name.
@@ -1052,8 +1056,9 @@ impl Registry for KubernetesRegistry {
                     synced[1] |= apply(&mut world.slices, &mut slice_relist, e, &mut touched);
                     affected.extend(world.slices_changed(touched));
                 }
-                Change::Pod(e) => {
+                Change::Pod(mut e) => {
                     self.observe_lag("Pod", &e);
+                    world.label_sets.share_in(&mut e);
                     let mut touched = Vec::new();
                     freed_much = ends_a_large_relist(&world.pods, &pod_relist, &e);
                     synced[2] |= apply(&mut world.pods, &mut pod_relist, e, &mut touched);
@@ -1890,6 +1895,57 @@ mod tests {
         assert_eq!(touched.len(), 1);
     }
 
+    /// Equal label sets are held once, whichever pods carry them (a
+    /// Deployment's replicas), and a set nothing holds any more is not
+    /// held past the next sweep.
+    #[test]
+    fn equal_label_sets_are_held_once() {
+        let mut sets = LabelSets::default();
+        let shared = |sets: &mut LabelSets, name: &str, generation: usize| {
+            let mut e = Event::Apply(pod_facts(pod("a", name.into(), generation)));
+            sets.share_in(&mut e);
+            let Event::Apply(p) = e else { unreachable!() };
+            p.labels
+        };
+        let one = shared(&mut sets, "web-1", 1);
+        assert!(Arc::ptr_eq(&one, &shared(&mut sets, "web-2", 1)));
+        let other = shared(&mut sets, "web-3", 2);
+        assert!(!Arc::ptr_eq(&one, &other));
+        assert_eq!(sets.len(), 2);
+        let mut listed = Event::InitApply(pod_facts(pod("a", "web-4".into(), 1)));
+        sets.share_in(&mut listed);
+        let Event::InitApply(listed) = listed else {
+            unreachable!()
+        };
+        assert!(Arc::ptr_eq(&one, &listed.labels));
+        let mut bare = pod("a", "web-5".into(), 0);
+        bare.metadata.labels = Some(BTreeMap::new());
+        let mut bare = Event::Apply(pod_facts(bare));
+        sets.share_in(&mut bare);
+        let Event::Apply(bare) = bare else {
+            unreachable!()
+        };
+        assert!(Arc::ptr_eq(
+            &bare.labels,
+            &tether_core::registry::no_labels()
+        ));
+        assert_eq!(sets.len(), 2);
+        // A rollout's churn: each new set dropped at once. The sets held
+        // stay bounded, and the ones still carried stay shared.
+        drop(other);
+        for generation in 10..5_000 {
+            shared(&mut sets, "web-churn", generation);
+            assert!(sets.len() <= 1_024, "{} sets held", sets.len());
+        }
+        assert!(Arc::ptr_eq(&one, &shared(&mut sets, "web-6", 1)));
+        let again = shared(&mut sets, "web-7", 2);
+        assert_eq!(
+            Arc::strong_count(&again),
+            2,
+            "the set of generation 2 was swept"
+        );
+    }
+
     /// A pod's labels are held once: by its facts, its endpoints and the
     /// index's share of its workload, also after a change to its other
     /// facts that keeps them, by an update or a full list. (From a hostile
@@ -2481,7 +2537,7 @@ mod tests {
         what: &str,
         json: &[u8],
         n: u32,
-        facts: impl Fn(Watched) -> Facts,
+        mut facts: impl FnMut(Watched) -> Facts,
     ) where
         Whole: serde::de::DeserializeOwned,
         Watched: serde::de::DeserializeOwned,
@@ -2530,7 +2586,20 @@ mod tests {
     #[ignore]
     fn pod_reading_cost() {
         let json = serde_json::to_vec(&pod_as_sent("big", "web-1")).unwrap();
-        reading_cost::<Pod, WatchedPod, _>("a Pod", &json, 20_000, PodFacts::of);
+        let mut label_sets = LabelSets::default();
+        // Its labels shared with the equal set held, as the run loop does.
+        let facts = |pod| {
+            let mut event = Event::Apply(PodFacts::of(pod));
+            label_sets.share_in(&mut event);
+            event
+        };
+        reading_cost::<Pod, WatchedPod, _>("a Pod", &json, 20_000, facts);
+        reading_cost::<Pod, WatchedPod, _>(
+            "a Pod (labels not shared)",
+            &json,
+            20_000,
+            PodFacts::of,
+        );
     }
 
     /// What 20,000 Pods cost held as sent, and as the registry keeps them:
@@ -2679,7 +2748,17 @@ mod tests {
         let mut at = start;
         for s in 0..services {
             for e in 0..per_service {
-                let facts = pod_facts(pod_as_sent("big", &format!("web-{s}-{e}")));
+                // Each service's pods are a Deployment's replicas: the
+                // same labels, their own.
+                let mut pod = pod_as_sent("big", &format!("web-{s}-{e}"));
+                let labels = pod.metadata.labels.get_or_insert_default();
+                labels.insert("app".into(), format!("web-{s}"));
+                labels.insert("pod-template-hash".into(), format!("5d8f{s:05}"));
+                let mut listed = Event::InitApply(pod_facts(pod));
+                world.label_sets.share_in(&mut listed);
+                let Event::InitApply(facts) = listed else {
+                    unreachable!()
+                };
                 world.pods.insert(key_of(&facts), facts);
             }
         }
@@ -3251,6 +3330,8 @@ mod tests {
                                 Ev::PodInitApply(p, b, g) => Event::InitApply(pod_obj(p, b, g)),
                                 _ => Event::InitDone,
                             };
+                            let mut ev = ev;
+                            world.label_sets.share_in(&mut ev);
                             let mut touched = Vec::new();
                             apply(&mut world.pods, &mut pd_r, ev, &mut touched);
                             affected.extend(world.pods_changed(&touched));
@@ -3304,6 +3385,17 @@ mod tests {
                     }
                     for (k, r) in recount {
                         prop_assert!(r.count.is_empty(), "listings missing for {}", k);
+                    }
+                    // Equal label sets are held once, by the pods, the
+                    // endpoints built from them and the index alike.
+                    let held: Vec<_> = world.pods.values().chain(pd_r.iter().flat_map(|r| r.values())).map(|p| &p.labels).collect();
+                    for (a, b) in held.iter().flat_map(|a| held.iter().map(move |b| (a, b))) {
+                        prop_assert_eq!(a == b, Arc::ptr_eq(a, b), "{:?} and {:?}", a, b);
+                    }
+                    for state in keys().iter().filter_map(|k| index.service(k)) {
+                        for e in state.endpoints.iter() {
+                            prop_assert!(held.iter().any(|l| Arc::ptr_eq(l, &e.labels)) || e.labels.is_empty(), "{:?} a copy", e.labels);
+                        }
                     }
                 }
             }

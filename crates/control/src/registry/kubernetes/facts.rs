@@ -154,6 +154,54 @@ impl PodFacts {
     }
 }
 
+/// Every label set the registry's Pods carry, held once. A Deployment's
+/// replicas carry equal labels (the template's and its
+/// `pod-template-hash`), so its pods, their endpoints and their workload's
+/// share hold one copy, not one each (~0.8 KiB a pod of four labels). A
+/// set nothing else holds any more is dropped by a sweep, due when the
+/// sets held have doubled since the last one.
+#[derive(Default)]
+pub(super) struct LabelSets {
+    held: std::collections::HashSet<std::sync::Arc<tether_core::policy::Labels>>,
+    /// How many were held after the last sweep.
+    after_sweep: usize,
+}
+
+impl LabelSets {
+    /// No sweep before this many sets are held.
+    const SWEEP_FROM: usize = 1_024;
+
+    /// The labels of the Pod an event brings, shared with the equal set
+    /// held, or held from now on.
+    pub fn share_in(&mut self, event: &mut Event<PodFacts>) {
+        if let Event::Apply(pod) | Event::InitApply(pod) = event {
+            self.share(&mut pod.labels);
+        }
+    }
+
+    fn share(&mut self, labels: &mut std::sync::Arc<tether_core::policy::Labels>) {
+        if labels.is_empty() {
+            *labels = tether_core::registry::no_labels();
+            return;
+        }
+        if let Some(held) = self.held.get(&**labels) {
+            *labels = held.clone();
+            return;
+        }
+        if self.held.len() >= (2 * self.after_sweep).max(Self::SWEEP_FROM) {
+            self.held
+                .retain(|set| std::sync::Arc::strong_count(set) > 1);
+            self.after_sweep = self.held.len();
+        }
+        self.held.insert(labels.clone());
+    }
+
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+}
+
 /// A Pod as the registry's watch reads it off the wire: of the ~5 KB of
 /// JSON the API server sends for each Pod (its spec, status and managed
 /// fields), only what [`PodFacts`] keeps is deserialized, and the rest is
