@@ -18,6 +18,7 @@
 //! - [`metrics`]: the control plane's Prometheus metrics.
 //! - [`diagnostics`]: Tether's own gRPC API for operator tools.
 //! - [`multicluster`]: links to other clusters, and the export API.
+//! - [`memory`]: returning what large frees leave to the operating system.
 
 pub mod channel;
 pub mod destination;
@@ -26,7 +27,7 @@ pub mod endpoints;
 pub mod identity;
 pub mod inbound_policy;
 pub mod index;
-mod memory;
+pub mod memory;
 pub mod metrics;
 pub mod multicluster;
 pub mod outbound;

@@ -19,6 +19,7 @@ use crate::destination::{DestinationGrpc, DestinationService, Subscriptions};
 use crate::identity::{IdentityMetrics, IdentityService, IdentitySource, KubeTokenReview};
 use crate::inbound_policy::{InboundDefaults, InboundService};
 use crate::index::Index;
+use crate::memory::MemoryRelease;
 use crate::metrics::ControlMetrics;
 use crate::multicluster::{Multicluster, MulticlusterConfig, MulticlusterError};
 use crate::policy::{PolicyService, RoutingStreams};
@@ -215,12 +216,14 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         tokio::spawn(source.follow(identity_metrics.clone(), shutdown.clone()));
     }
     let (loaded, loaded_rx) = when_loaded(readiness);
+    let memory = MemoryRelease::spawn(shutdown.clone());
     let mut registry_task = backend.spawn(
         index.clone(),
         loaded,
         &config.cluster_domain,
         metrics.clone(),
         kube_lag,
+        memory.clone(),
     );
     // Answer no discovery before the first full load: an empty index would
     // tell proxies that every service is unknown. Clients wait in the
@@ -246,6 +249,7 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         index.clone(),
         metrics,
         config.audit_interval,
+        memory,
         shutdown.clone(),
     ));
     if let Some(multicluster) = multicluster {
@@ -459,6 +463,7 @@ async fn audit_loop(
     index: Index,
     metrics: ControlMetrics,
     interval: std::time::Duration,
+    memory: MemoryRelease,
     shutdown: Shutdown,
 ) {
     let mut tick = tokio::time::interval(interval);
@@ -472,7 +477,7 @@ async fn audit_loop(
         subscriptions.audit(&index, &metrics);
         index.collect_garbage();
         if trim.due(subscriptions.len()) {
-            tokio::task::spawn_blocking(crate::memory::release_free_memory);
+            memory.ask();
         }
     }
 }

@@ -9,6 +9,7 @@ use super::file::FileRegistry;
 use super::kubernetes::{KubernetesRegistry, WatchLag};
 use super::{Registry, RegistryError};
 use crate::index::Index;
+use crate::memory::MemoryRelease;
 use crate::metrics::ControlMetrics;
 
 /// Where services and endpoints come from.
@@ -125,10 +126,12 @@ impl Backend {
         cluster_domain: &str,
         metrics: ControlMetrics,
         kube_lag: WatchLag,
+        memory: MemoryRelease,
     ) -> JoinHandle<Result<(), RegistryError>> {
         match self {
             Self::Kubernetes(client) => tokio::spawn(
                 KubernetesRegistry::new(client, cluster_domain, metrics, kube_lag)
+                    .with_memory_release(memory)
                     .run(index, loaded),
             ),
             Self::Directory {

@@ -157,26 +157,43 @@ impl PodFacts {
 /// Every label set the registry's Pods carry, held once. A Deployment's
 /// replicas carry equal labels (the template's and its
 /// `pod-template-hash`), so its pods, their endpoints and their workload's
-/// share hold one copy, not one each (~0.8 KiB a pod of four labels). A
-/// set nothing else holds any more is dropped by a sweep, due when the
-/// sets held have doubled since the last one.
+/// share hold one copy, not one each (~0.8 KiB a pod of four labels).
+///
+/// A set nothing else holds any more is dropped by a sweep, due when the
+/// sets held have doubled since the last one, or when half as many pods as
+/// sets held have gone since (a StatefulSet's or a batch's pods, each with
+/// a set of its own, deleted). A sweep walks every set, and each is paid
+/// for by as many new sets or gone pods.
 #[derive(Default)]
 pub(super) struct LabelSets {
     held: std::collections::HashSet<std::sync::Arc<tether_core::policy::Labels>>,
     /// How many were held after the last sweep.
     after_sweep: usize,
+    /// Pods gone since the last sweep.
+    gone: usize,
 }
 
 impl LabelSets {
-    /// No sweep before this many sets are held.
+    /// No sweep before this many sets are held, or pods have gone.
     const SWEEP_FROM: usize = 1_024;
 
     /// The labels of the Pod an event brings, shared with the equal set
     /// held, or held from now on.
     pub fn share_in(&mut self, event: &mut Event<PodFacts>) {
+        if self.gone >= (self.held.len() / 2).max(Self::SWEEP_FROM) {
+            // The gone pods' sets were counted one event ago: what was
+            // built from those pods has been rebuilt without them since.
+            self.sweep();
+        }
         if let Event::Apply(pod) | Event::InitApply(pod) = event {
             self.share(&mut pod.labels);
         }
+    }
+
+    /// Counts pods the last event took away (deleted, or left out of a
+    /// full list).
+    pub fn pods_gone(&mut self, gone: usize) {
+        self.gone += gone;
     }
 
     fn share(&mut self, labels: &mut std::sync::Arc<tether_core::policy::Labels>) {
@@ -189,11 +206,18 @@ impl LabelSets {
             return;
         }
         if self.held.len() >= (2 * self.after_sweep).max(Self::SWEEP_FROM) {
-            self.held
-                .retain(|set| std::sync::Arc::strong_count(set) > 1);
-            self.after_sweep = self.held.len();
+            self.sweep();
         }
         self.held.insert(labels.clone());
+    }
+
+    fn sweep(&mut self) {
+        self.held
+            .retain(|set| std::sync::Arc::strong_count(set) > 1);
+        if self.held.capacity() > 4 * self.held.len().max(64) {
+            self.held.shrink_to_fit();
+        }
+        (self.after_sweep, self.gone) = (self.held.len(), 0);
     }
 
     #[cfg(test)]
