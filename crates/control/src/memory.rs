@@ -7,6 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::histogram::Histogram;
 use tether_admin::Shutdown;
 use tokio::sync::Notify;
 
@@ -24,10 +25,12 @@ impl MemoryRelease {
     /// CPU: after one, the next waits this long.
     pub const SPACING: Duration = Duration::from_secs(10);
 
-    /// Starts the task that serves the asks, until `shutdown`.
-    pub fn spawn(shutdown: Shutdown) -> Self {
+    /// Starts the task that serves the asks, until `shutdown`; each walk's
+    /// time goes to `took`.
+    pub fn spawn(took: Histogram, shutdown: Shutdown) -> Self {
         let release = Self::default();
-        tokio::spawn(serve(release.asked.clone(), release_free_memory, shutdown));
+        let asked = release.asked.clone();
+        tokio::spawn(serve(asked, release_free_memory, took, shutdown));
         release
     }
 
@@ -38,7 +41,7 @@ impl MemoryRelease {
     }
 }
 
-async fn serve(asked: Arc<Notify>, release: fn(), shutdown: Shutdown) {
+async fn serve(asked: Arc<Notify>, release: fn(), took: Histogram, shutdown: Shutdown) {
     loop {
         tokio::select! {
             _ = asked.notified() => {}
@@ -48,6 +51,7 @@ async fn serve(asked: Arc<Notify>, release: fn(), shutdown: Shutdown) {
         if tokio::task::spawn_blocking(release).await.is_err() {
             return;
         }
+        took.observe(started.elapsed().as_secs_f64());
         tracing::debug!(
             took_ms = started.elapsed().as_millis() as u64,
             "returned freed memory to the operating system"
@@ -95,9 +99,11 @@ mod tests {
     async fn asks_are_served_one_walk_at_a_time_and_spaced_out() {
         let release = MemoryRelease::default();
         let shutdown = Shutdown::default();
+        let took = crate::metrics::ControlMetrics::default().memory_releases;
         let task = tokio::spawn(serve(
             release.asked.clone(),
             count_release,
+            took.clone(),
             shutdown.clone(),
         ));
         settle().await;
@@ -120,6 +126,11 @@ mod tests {
         tokio::time::sleep(MemoryRelease::SPACING * 3).await;
         settle().await;
         assert_eq!(RELEASES.load(Ordering::SeqCst), 2, "nothing more asked");
+        let mut text = String::new();
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register("release_seconds", "", took);
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(text.contains("release_seconds_count 2"), "{text}");
         shutdown.trigger();
         task.await.expect("the task ends at shutdown");
     }

@@ -39,6 +39,8 @@ pub struct ControlMetrics {
     pub registry_endpoints: Gauge,
     pub registry_reload_errors: Counter,
     pub registry_events_applied: Counter,
+    /// Each return of freed heap memory to the operating system (memory).
+    pub memory_releases: Histogram,
     /// 1 for each linked cluster's current state (multicluster::remote).
     pub links: Family<LinkLabels, Gauge>,
 }
@@ -66,6 +68,7 @@ impl Default for ControlMetrics {
             registry_endpoints: Gauge::default(),
             registry_reload_errors: Counter::default(),
             registry_events_applied: Counter::default(),
+            memory_releases: LatencyBuckets.new_metric(),
             links: Family::default(),
         }
     }
@@ -92,6 +95,12 @@ impl ControlMetrics {
             "tether_destination_update_latency_seconds",
             "From the registry observing a change to the update carrying it being sent",
             self.update_latency.clone(),
+        );
+        registry.register(
+            "tether_memory_release_seconds",
+            "Each return of freed heap memory to the operating system (malloc_trim), \
+             asked after a large free",
+            self.memory_releases.clone(),
         );
         registry.register(
             "tether_destination_divergent_subscriptions",

@@ -216,7 +216,7 @@ pub async fn run(config: ControlConfig, shutdown: Shutdown) -> Result<(), Contro
         tokio::spawn(source.follow(identity_metrics.clone(), shutdown.clone()));
     }
     let (loaded, loaded_rx) = when_loaded(readiness);
-    let memory = MemoryRelease::spawn(shutdown.clone());
+    let memory = MemoryRelease::spawn(metrics.memory_releases.clone(), shutdown.clone());
     let mut registry_task = backend.spawn(
         index.clone(),
         loaded,
