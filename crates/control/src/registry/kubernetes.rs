@@ -2929,11 +2929,8 @@ mod tests {
         .expect("an HTTPRoute")
     }
 
-    /// What a large cluster costs the registry: a full list of its
-    /// EndpointSlices, and single EndpointSlice and Pod changes. A
-    /// measurement, run by hand (docs/benchmarks.md): `cargo test
-    /// --release -p tether-control --lib -- --ignored --nocapture
-    /// a_large_cluster`.
+    /// A full list over many held objects asks for what it freed to be
+    /// returned; the first list, a small one, or another event does not.
     #[test]
     fn a_large_relist_returns_what_it_freed() {
         let held = |n: usize| -> HashMap<(String, String), u8> {
@@ -2974,6 +2971,11 @@ mod tests {
         assert!(!ends_a_large_relist(&large, &None, &done));
     }
 
+    /// What a large cluster costs the registry: a full list of its
+    /// EndpointSlices, and single EndpointSlice and Pod changes. A
+    /// measurement, run by hand (docs/benchmarks.md): `cargo test
+    /// --release -p tether-control --lib -- --ignored --nocapture
+    /// a_large_cluster`.
     #[test]
     #[ignore]
     fn a_large_cluster() {
