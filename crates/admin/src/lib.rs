@@ -153,7 +153,14 @@ pub async fn accept(listener: &TcpListener, name: &'static str) -> (TcpStream, S
     let mut backoff = Duration::from_millis(5);
     loop {
         match listener.accept().await {
-            Ok(accepted) => return accepted,
+            Ok((stream, addr)) => {
+                // Every listener here speaks request and response (HTTP,
+                // gRPC): with Nagle's algorithm, a small write after one
+                // not yet acknowledged waits for the peer's delayed
+                // acknowledgement, up to 40 ms.
+                let _ = stream.set_nodelay(true);
+                return (stream, addr);
+            }
             Err(e) => {
                 if let Some(suppressed) = ACCEPT_LOG.allow() {
                     tracing::warn!(listener = name, error = %e, suppressed, "accept failed; backing off");
@@ -357,6 +364,19 @@ mod tests {
         assert_eq!(r.missing(), vec!["registry loaded"]);
         r.set("registry loaded", true);
         assert!(r.is_ready());
+    }
+
+    /// Every accepted connection sends small writes at once: with Nagle's
+    /// algorithm the control plane's answer to a proxy's Certify, and its
+    /// discovery updates, could wait up to 40 ms for the peer's delayed
+    /// acknowledgement (a proxy's start-up took 12 ms or 50 ms by luck).
+    #[tokio::test]
+    async fn accepted_connections_do_not_wait_for_acknowledgements() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _client = TcpStream::connect(addr).await.unwrap();
+        let (accepted, _) = accept(&listener, "test").await;
+        assert!(accepted.nodelay().unwrap());
     }
 
     #[tokio::test]

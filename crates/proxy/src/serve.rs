@@ -153,7 +153,6 @@ pub async fn accept_loop<H, F>(
             drop(stream);
             continue;
         };
-        let _ = stream.set_nodelay(true);
         let conn = Conn {
             drain: drain_rx.clone(),
             limits: limits.clone(),
