@@ -86,11 +86,24 @@ mod tests {
         RELEASES.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// Lets the serving task run (and a blocking release finish) without
-    /// moving the paused clock.
-    async fn settle() {
-        for _ in 0..50 {
+    /// Lets the serving task run, and a blocking release finish, without
+    /// moving the paused clock: until `n` releases were made, or for 50
+    /// ms of real time when `n` is what was made already (nothing more
+    /// may come), or 5 s at most.
+    async fn released(n: usize) -> usize {
+        let started = std::time::Instant::now();
+        let made_already = RELEASES.load(Ordering::SeqCst) >= n;
+        loop {
             tokio::task::yield_now().await;
+            let made = RELEASES.load(Ordering::SeqCst);
+            let waited = started.elapsed();
+            if (made >= n && !made_already)
+                || (made_already && waited > Duration::from_millis(50))
+                || made > n
+                || waited > Duration::from_secs(5)
+            {
+                return made;
+            }
             std::thread::sleep(Duration::from_millis(1));
         }
     }
@@ -106,26 +119,21 @@ mod tests {
             took.clone(),
             shutdown.clone(),
         ));
-        settle().await;
-        assert_eq!(RELEASES.load(Ordering::SeqCst), 0, "nothing asked");
+        assert_eq!(released(0).await, 0, "nothing asked");
         // Asks in a burst (three kinds' lists ending together): one walk,
         // then one more for those made while it ran or waited.
         for _ in 0..5 {
             release.ask();
         }
-        settle().await;
-        assert_eq!(RELEASES.load(Ordering::SeqCst), 1);
+        assert_eq!(released(1).await, 1);
         release.ask();
         release.ask();
         tokio::time::sleep(MemoryRelease::SPACING / 2).await;
-        settle().await;
-        assert_eq!(RELEASES.load(Ordering::SeqCst), 1, "spaced out");
+        assert_eq!(released(1).await, 1, "spaced out");
         tokio::time::sleep(MemoryRelease::SPACING).await;
-        settle().await;
-        assert_eq!(RELEASES.load(Ordering::SeqCst), 2);
+        assert_eq!(released(2).await, 2);
         tokio::time::sleep(MemoryRelease::SPACING * 3).await;
-        settle().await;
-        assert_eq!(RELEASES.load(Ordering::SeqCst), 2, "nothing more asked");
+        assert_eq!(released(2).await, 2, "nothing more asked");
         let mut text = String::new();
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register("release_seconds", "", took);
