@@ -714,6 +714,22 @@ impl World {
             .collect()
     }
 
+    /// Applies one Pod event: its labels shared with the equal set held,
+    /// the pods it took away counted for the sets' sweep. Whether it
+    /// finished a full list, and the services of the pods it changed.
+    fn on_pods(
+        &mut self,
+        relist: &mut Option<HashMap<(String, String), PodFacts>>,
+        mut event: Event<PodFacts>,
+    ) -> (bool, BTreeSet<ServiceKey>) {
+        self.label_sets.share_in(&mut event);
+        let (held, mut touched) = (self.pods.len(), Vec::new());
+        let listed = apply(&mut self.pods, relist, event, &mut touched);
+        self.label_sets
+            .pods_gone(held.saturating_sub(self.pods.len()));
+        (listed, self.pods_changed(&touched))
+    }
+
     /// Takes up the touched pods' current versions (or their absence):
     /// the parts of the slices naming them are built again; the services
     /// of those slices.
@@ -1071,17 +1087,12 @@ impl Registry for KubernetesRegistry {
                     synced[1] |= apply(&mut world.slices, &mut slice_relist, e, &mut touched);
                     affected.extend(world.slices_changed(touched));
                 }
-                Change::Pod(mut e) => {
+                Change::Pod(e) => {
                     self.observe_lag("Pod", &e);
-                    world.label_sets.share_in(&mut e);
-                    let mut touched = Vec::new();
                     freed_much = ends_a_large_relist(&world.pods, &pod_relist, &e);
-                    let held = world.pods.len();
-                    synced[2] |= apply(&mut world.pods, &mut pod_relist, e, &mut touched);
-                    world
-                        .label_sets
-                        .pods_gone(held.saturating_sub(world.pods.len()));
-                    affected.extend(world.pods_changed(&touched));
+                    let (listed, services) = world.on_pods(&mut pod_relist, e);
+                    synced[2] |= listed;
+                    affected.extend(services);
                 }
                 Change::Route(kind, e) => {
                     self.observe_lag(kind.as_str(), &e);
@@ -3428,13 +3439,7 @@ mod tests {
                                 Ev::PodInitApply(p, b, g) => Event::InitApply(pod_obj(p, b, g)),
                                 _ => Event::InitDone,
                             };
-                            let mut ev = ev;
-                            world.label_sets.share_in(&mut ev);
-                            let mut touched = Vec::new();
-                            let held = world.pods.len();
-                            apply(&mut world.pods, &mut pd_r, ev, &mut touched);
-                            world.label_sets.pods_gone(held.saturating_sub(world.pods.len()));
-                            affected.extend(world.pods_changed(&touched));
+                            affected.extend(world.on_pods(&mut pd_r, ev).1);
                         }
                     }
                     for k in &affected {
