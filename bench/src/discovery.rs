@@ -560,7 +560,7 @@ mod tests {
             endpoints: svc.files[0]
                 .iter()
                 .map(|(a, zone)| EndpointSpec {
-                    zone: Some(zone.clone()),
+                    zone: Some(zone.as_str().into()),
                     ..EndpointSpec::new(*a)
                 })
                 .collect(),

@@ -1130,7 +1130,7 @@ async fn main() -> anyhow::Result<()> {
                 service: service.clone(),
                 namespace: s("bench"),
                 endpoints: vec![EndpointSpec {
-                    identity: variant.tls.then(|| server_id.clone()),
+                    identity: variant.tls.then(|| server_id.as_str().into()),
                     // Not meshed: the client proxy speaks HTTP/1.1 to the
                     // server proxy (still over mTLS), as to a plain app.
                     meshed: !variant.h1_between,

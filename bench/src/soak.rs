@@ -309,7 +309,7 @@ impl Registry {
     ) -> anyhow::Result<()> {
         let spec = EndpointSpec {
             ready,
-            identity: Some(identity(service)),
+            identity: Some(identity(service).into()),
             name: Some(replica.into()),
             ..EndpointSpec::new(inbound)
         };
@@ -413,7 +413,7 @@ async fn registry_churn(
         let mut endpoints: Vec<EndpointSpec> = live
             .iter()
             .map(|addr| EndpointSpec {
-                identity: Some(identity("api")),
+                identity: Some(identity("api").into()),
                 weight: 1 + (n % 5) as u32,
                 ..EndpointSpec::new(*addr)
             })
@@ -768,7 +768,7 @@ async fn start_mesh(
         api_inbound
             .iter()
             .map(|a| EndpointSpec {
-                identity: Some(identity("api")),
+                identity: Some(identity("api").into()),
                 ..EndpointSpec::new(*a)
             })
             .collect(),

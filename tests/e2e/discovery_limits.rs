@@ -46,7 +46,7 @@ async fn a_service_of_100000_endpoints_is_routed() {
             .map(|i| EndpointSpec {
                 meshed: false,
                 identity: Some("big.test.serviceaccount.identity.cluster.local".into()),
-                name: Some(format!("big-6f7d9c8b5-{i:06}")),
+                name: Some(format!("big-6f7d9c8b5-{i:06}").into()),
                 ..EndpointSpec::new(loopback(i, port))
             })
             .collect();

@@ -494,10 +494,10 @@ fn update_budget(empty: update::Update) -> usize {
 pub fn weighted_addr(addr: SocketAddr, meta: &EndpointMeta) -> WeightedAddr {
     let mut labels = HashMap::new();
     if let Some(zone) = &meta.zone {
-        labels.insert("zone".to_string(), zone.clone());
+        labels.insert("zone".to_string(), zone.to_string());
     }
     if let Some(name) = &meta.name {
-        labels.insert("pod".to_string(), name.clone());
+        labels.insert("pod".to_string(), name.to_string());
     }
     if let Some(cluster) = &meta.cluster {
         labels.insert("cluster".to_string(), cluster.clone());
@@ -510,9 +510,13 @@ pub fn weighted_addr(addr: SocketAddr, meta: &EndpointMeta) -> WeightedAddr {
     }
     let tls_identity = meta.identity.as_ref().map(|id| TlsIdentity {
         strategy: Some(tls_identity::Strategy::DnsLikeIdentity(
-            tls_identity::DnsLikeIdentity { name: id.clone() },
+            tls_identity::DnsLikeIdentity {
+                name: id.to_string(),
+            },
         )),
-        server_name: Some(tls_identity::DnsLikeIdentity { name: id.clone() }),
+        server_name: Some(tls_identity::DnsLikeIdentity {
+            name: id.to_string(),
+        }),
     });
     let protocol_hint = match (meta.meshed, meta.opaque) {
         (true, false) => Some(ProtocolHint {
@@ -1315,11 +1319,14 @@ mod tests {
                 // Each round drops a different fifth and renames a tenth.
                 .filter(|i| !(i + round).is_multiple_of(5))
                 .map(|i| EndpointSpec {
-                    name: Some(format!(
-                        "web-{}-{i:05}",
-                        if i % 10 == round % 10 { round } else { 0 }
-                    )),
-                    zone: Some(format!("{:-<400}", "eu-west-1a")),
+                    name: Some(
+                        format!(
+                            "web-{}-{i:05}",
+                            if i % 10 == round % 10 { round } else { 0 }
+                        )
+                        .into(),
+                    ),
+                    zone: Some(format!("{:-<400}", "eu-west-1a").into()),
                     ..EndpointSpec::new(SocketAddr::from(([10, 0, (i >> 8) as u8, i as u8], 8080)))
                 })
                 .collect();
@@ -1452,7 +1459,7 @@ mod tests {
                     let addr =
                         SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8080));
                     let m = EndpointMeta {
-                        name: Some(format!("web-7d9c8f6b5-{i:05}")),
+                        name: Some(format!("web-7d9c8f6b5-{i:05}").into()),
                         zone: Some("eu-west-1a".into()),
                         ..meta()
                     };
@@ -1567,7 +1574,7 @@ mod tests {
         let key = SlotKey::Service(ServiceKey::new("web", "demo"));
         let mut s = snap(true, &[1, 2]);
         let big = EndpointMeta {
-            name: Some("x".repeat(MAX_UPDATE_BYTES)),
+            name: Some("x".repeat(MAX_UPDATE_BYTES).into()),
             ..meta()
         };
         s.endpoints = s.endpoints.with_changes(vec![SetChange::Insert(
@@ -1672,7 +1679,7 @@ mod tests {
         crate::index::ServiceState::new(vec![PortSpec::http(80)]).with_endpoints(
             (0..n)
                 .map(|i| EndpointSpec {
-                    name: Some(format!("web-7d9c8f6b5-{i:05}")),
+                    name: Some(format!("web-7d9c8f6b5-{i:05}").into()),
                     zone: Some("eu-west-1a".into()),
                     ..EndpointSpec::new(SocketAddr::from((
                         [10, (i >> 16) as u8, (i >> 8) as u8, i as u8],

@@ -112,7 +112,7 @@ impl EndpointList {
             new_parts: new_parts.difference(&old_parts).copied().collect(),
             ..EndpointChanges::default()
         };
-        let mut count = |name: &Option<String>, gone: bool| {
+        let mut count = |name: &Option<Arc<str>>, gone: bool| {
             let Some(name) = name else { return };
             let listings = match changes.names.get_mut(name) {
                 Some(listings) => listings,
@@ -157,7 +157,7 @@ pub(crate) struct EndpointChanges {
     /// endpoint that moved unchanged included: it may move its name's
     /// first listing), and how often each part lists them. Only these
     /// names' workloads can have changed.
-    pub names: HashMap<String, NameListings>,
+    pub names: HashMap<Arc<str>, NameListings>,
     /// The parts new in this version ([`part_id`]).
     pub new_parts: HashSet<usize>,
 }

@@ -71,11 +71,11 @@ impl ServiceState {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointMeta {
     pub weight: u32,
-    pub identity: Option<String>,
-    pub zone: Option<String>,
+    pub identity: Option<Arc<str>>,
+    pub zone: Option<Arc<str>>,
     pub meshed: bool,
     pub opaque: bool,
-    pub name: Option<String>,
+    pub name: Option<Arc<str>>,
     /// The cluster the endpoint is in (multicluster only).
     pub cluster: Option<String>,
     /// The authority to send instead of the request's (gateways).
@@ -292,7 +292,7 @@ fn named_listings(state: Option<&ServiceState>) -> BTreeMap<&str, (&Arc<Labels>,
     let mut named = BTreeMap::new();
     for ep in state.into_iter().flat_map(|s| &s.endpoints) {
         if let Some(name) = &ep.name {
-            named.entry(name.as_str()).or_insert((&ep.labels, 0)).1 += 1;
+            named.entry(&**name).or_insert((&ep.labels, 0)).1 += 1;
         }
     }
     named
@@ -797,7 +797,7 @@ impl Inner {
         for (name, listed) in &changes.names {
             let key = WorkloadKey {
                 namespace: service.namespace.clone(),
-                name: name.clone(),
+                name: name.to_string(),
             };
             let had = self
                 .workloads
@@ -808,9 +808,9 @@ impl Inner {
             let now = (had + listed.new).saturating_sub(listed.gone);
             // None left: gone, nothing to look up.
             if now > 0 && now == listed.new {
-                in_new_parts.insert(name.as_str());
+                in_new_parts.insert(&**name);
             } else if now > 0 {
-                anywhere.insert(name.as_str());
+                anywhere.insert(&**name);
             }
             listings.push((key, now));
         }
@@ -996,11 +996,11 @@ impl Inner {
                     r.gateway,
                     EndpointMeta {
                         weight: ready(r),
-                        identity: r.gateway_identity.clone(),
+                        identity: r.gateway_identity.as_deref().map(Into::into),
                         zone: None,
                         meshed: true,
                         opaque: false,
-                        name: Some(format!("gateway.{name}")),
+                        name: Some(format!("gateway.{name}").into()),
                         cluster: Some(name.clone()),
                         authority_override: Some(format!("{global}.global:{port}")),
                         tier: Some(tier),
@@ -1223,8 +1223,7 @@ mod tests {
                                 dropped[next(dropped.len() as u64) as usize].clone()
                             } else {
                                 EndpointSpec {
-                                    name: (next(4) != 0)
-                                        .then(|| names[next(3) as usize].to_string()),
+                                    name: (next(4) != 0).then(|| names[next(3) as usize].into()),
                                     labels: Arc::new(
                                         [(
                                             "v".to_string(),
@@ -1358,7 +1357,7 @@ mod tests {
                 port: [None, Some(80), Some(81)][next(3) as usize],
                 ready: next(5) != 0,
                 weight: 1 + next(3) as u32,
-                name: (part < 2 && next(4) == 0).then(|| format!("pod-{}", next(20))),
+                name: (part < 2 && next(4) == 0).then(|| format!("pod-{}", next(20)).into()),
                 labels: Arc::new([("v".to_string(), next(3).to_string())].into()),
                 ..EndpointSpec::new(SocketAddr::from((
                     [10, 0, (serial >> 8) as u8, serial as u8],

@@ -62,9 +62,9 @@ pub struct EndpointSpec {
     /// The workload's TLS identity, e.g.
     /// `web.demo.serviceaccount.identity.cluster.local`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub identity: Option<String>,
+    pub identity: Option<std::sync::Arc<str>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub zone: Option<String>,
+    pub zone: Option<std::sync::Arc<str>>,
     #[serde(default = "one")]
     pub weight: u32,
     /// Whether a Tether (or Linkerd) proxy fronts this endpoint; meshed
@@ -74,7 +74,7 @@ pub struct EndpointSpec {
     /// A name for the workload (pod), used as a metric label; also what
     /// a proxy names itself by when it asks for its inbound policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
+    pub name: Option<std::sync::Arc<str>>,
     /// The workload's labels, which a `Server`'s `podSelector` selects
     /// (the pod's labels in Kubernetes). Only named endpoints have a use
     /// for them. Shared: a pod's endpoints (one per port), the registry's
@@ -92,6 +92,32 @@ pub fn no_labels() -> std::sync::Arc<crate::policy::Labels> {
     static NONE: std::sync::OnceLock<std::sync::Arc<crate::policy::Labels>> =
         std::sync::OnceLock::new();
     NONE.get_or_init(Default::default).clone()
+}
+
+/// Strings that repeat across a list of endpoints (identities, zones),
+/// held once: each endpoint of a service usually has the same identity,
+/// and a cluster has a few zones. Bounded, so a list of all-distinct
+/// values costs a short scan per value, never a growing table.
+#[derive(Default)]
+pub struct SharedStrings {
+    held: Vec<std::sync::Arc<str>>,
+}
+
+impl SharedStrings {
+    /// Distinct values remembered; later ones are held each on its own.
+    const HELD: usize = 16;
+
+    /// `text` as an `Arc<str>`, the one already held when equal.
+    pub fn share(&mut self, text: &str) -> std::sync::Arc<str> {
+        if let Some(held) = self.held.iter().find(|h| ***h == *text) {
+            return held.clone();
+        }
+        let new: std::sync::Arc<str> = text.into();
+        if self.held.len() < Self::HELD {
+            self.held.push(new.clone());
+        }
+        new
+    }
 }
 
 impl EndpointSpec {
@@ -749,6 +775,60 @@ endpoints:
             parse_documents(flow).unwrap(),
             parse_documents_generally(flow).unwrap()
         );
+    }
+
+    /// The fast path holds an identity or zone its list repeats once; a
+    /// list of more distinct values than are remembered still reads them
+    /// all, each its own.
+    #[test]
+    fn an_endpoint_list_s_repeated_strings_are_held_once() {
+        let endpoint = |i: usize, zone: String| EndpointSpec {
+            identity: Some("web.demo.serviceaccount.identity.cluster.local".into()),
+            zone: Some(zone.into()),
+            name: Some(format!("web-{i}").into()),
+            ..EndpointSpec::new(SocketAddr::from(([10, 0, 0, i as u8], 80)))
+        };
+        let endpoints = (0..40)
+            .map(|i| endpoint(i, format!("zone-{}", if i < 20 { i % 2 } else { i })))
+            .collect();
+        let doc = Document::Endpoints(EndpointsDoc {
+            service: "web".into(),
+            namespace: "demo".into(),
+            endpoints,
+        });
+        let read = fast::endpoints_documents(&doc.to_yaml()).expect("the fast path reads it");
+        assert_eq!(read, vec![doc]);
+        let Document::Endpoints(read) = &read[0] else {
+            unreachable!()
+        };
+        let eps = &read.endpoints;
+        let same = |a: &Option<std::sync::Arc<str>>, b: &Option<std::sync::Arc<str>>| {
+            std::sync::Arc::ptr_eq(a.as_ref().unwrap(), b.as_ref().unwrap())
+        };
+        assert!(eps.iter().all(|e| same(&e.identity, &eps[0].identity)));
+        assert!(same(&eps[0].zone, &eps[18].zone) && same(&eps[1].zone, &eps[19].zone));
+        assert!(!same(&eps[0].zone, &eps[1].zone));
+        assert_eq!(eps[39].zone.as_deref(), Some("zone-39"));
+    }
+
+    #[test]
+    fn shared_strings_remember_a_bounded_number_of_values() {
+        let mut shared = SharedStrings::default();
+        let firsts: Vec<_> = (0..SharedStrings::HELD)
+            .map(|i| shared.share(&format!("v{i}")))
+            .collect();
+        let late = shared.share("late");
+        assert!(
+            !std::sync::Arc::ptr_eq(&late, &shared.share("late")),
+            "not held"
+        );
+        assert_eq!(&*late, "late");
+        for (i, first) in firsts.iter().enumerate() {
+            assert!(std::sync::Arc::ptr_eq(
+                first,
+                &shared.share(&format!("v{i}"))
+            ));
+        }
     }
 
     /// What the general path rejects, or reads differently from a direct

@@ -157,8 +157,8 @@ impl Replica {
             namespace: self.namespace.clone(),
             endpoints: vec![EndpointSpec {
                 ready,
-                identity: self.identity.clone(),
-                name: Some(self.name.clone()),
+                identity: self.identity.as_deref().map(Into::into),
+                name: Some(self.name.as_str().into()),
                 ..EndpointSpec::new(self.inbound)
             }],
         })

@@ -142,8 +142,8 @@ pub fn registry_view(
                     ep.address,
                     Row {
                         ready: ep.ready,
-                        identity: ep.identity.clone(),
-                        zone: ep.zone.clone(),
+                        identity: ep.identity.as_deref().map(String::from),
+                        zone: ep.zone.as_deref().map(String::from),
                         weight: ep.weight,
                     },
                 );

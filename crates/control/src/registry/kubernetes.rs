@@ -56,7 +56,9 @@ use tether_core::policy::{
     parse_policy, DefaultPolicy, NamespaceDoc, PolicyDoc, PolicyKey, PolicyKind, PolicySet,
     POLICY_GROUP,
 };
-use tether_core::registry::{Document, EndpointSpec, MulticlusterMode, PortSpec, RetryBudget};
+use tether_core::registry::{
+    Document, EndpointSpec, MulticlusterMode, PortSpec, RetryBudget, SharedStrings,
+};
 use tether_core::route::{Route, RouteKey, RouteKind};
 use tether_core::truncate::bounded_message;
 
@@ -521,6 +523,31 @@ impl World {
         ports: &[SlicePortKey],
         trust_domain: &str,
     ) -> Vec<EndpointSpec> {
+        // What each endpoint's listings (one per port) share: whether it is
+        // meshed, its identity (one copy for the pods of one account) and
+        // labels.
+        let mut identities = SharedStrings::default();
+        let of_pods: Vec<_> = slice
+            .endpoints
+            .iter()
+            .map(|ep| {
+                let pod = slice.pod_of(ep).and_then(|k| self.pods.get(&k));
+                let meshed = pod.is_some_and(|p| p.meshed);
+                let identity = pod.filter(|_| meshed).map(|p| {
+                    let sa = p.service_account.as_deref().unwrap_or("default");
+                    // The pod's account, in the pod's namespace (a slice may
+                    // name a pod of another).
+                    identities.share(&tether_identity::identity_name(
+                        sa,
+                        &p.namespace,
+                        trust_domain,
+                    ))
+                });
+                let labels =
+                    pod.map_or_else(tether_core::registry::no_labels, |p| p.labels.clone());
+                (meshed, identity, labels)
+            })
+            .collect();
         let mut endpoints = Vec::new();
         for sp in &slice.ports {
             let service_port = ports
@@ -531,15 +558,7 @@ impl World {
             let Some(service_port) = service_port else {
                 continue;
             };
-            for ep in &slice.endpoints {
-                let pod = slice.pod_of(ep).and_then(|k| self.pods.get(&k));
-                let meshed = pod.is_some_and(|p| p.meshed);
-                let identity = pod.filter(|_| meshed).map(|p| {
-                    let sa = p.service_account.as_deref().unwrap_or("default");
-                    // The pod's account, in the pod's namespace (a slice may
-                    // name a pod of another).
-                    tether_identity::identity_name(sa, &p.namespace, trust_domain)
-                });
+            for (ep, (meshed, identity, labels)) in slice.endpoints.iter().zip(&of_pods) {
                 for ip in &ep.addresses {
                     endpoints.push(EndpointSpec {
                         address: SocketAddr::new(*ip, sp.port),
@@ -548,10 +567,9 @@ impl World {
                         identity: identity.clone(),
                         zone: ep.zone.clone(),
                         weight: 1,
-                        meshed,
+                        meshed: *meshed,
                         name: ep.name.clone(),
-                        labels: pod
-                            .map_or_else(tether_core::registry::no_labels, |p| p.labels.clone()),
+                        labels: labels.clone(),
                     });
                 }
             }
@@ -715,7 +733,7 @@ impl World {
     }
 
     /// Applies one Pod event: its labels shared with the equal set held,
-    /// the pods it took away counted for the sets' sweep. Whether it
+    /// the pods it touched counted for the sets' sweep. Whether it
     /// finished a full list, and the services of the pods it changed.
     fn on_pods(
         &mut self,
@@ -723,10 +741,9 @@ impl World {
         mut event: Event<PodFacts>,
     ) -> (bool, BTreeSet<ServiceKey>) {
         self.label_sets.share_in(&mut event);
-        let (held, mut touched) = (self.pods.len(), Vec::new());
+        let mut touched = Vec::new();
         let listed = apply(&mut self.pods, relist, event, &mut touched);
-        self.label_sets
-            .pods_gone(held.saturating_sub(self.pods.len()));
+        self.label_sets.counted(touched.len());
         (listed, self.pods_changed(&touched))
     }
 
@@ -1091,6 +1108,9 @@ impl Registry for KubernetesRegistry {
                     self.observe_lag("Pod", &e);
                     freed_much = ends_a_large_relist(&world.pods, &pod_relist, &e);
                     let (listed, services) = world.on_pods(&mut pod_relist, e);
+                    // A sweep of as many label sets as a large list frees
+                    // as much.
+                    freed_much |= world.label_sets.take_freed() >= LARGE_RELIST;
                     synced[2] |= listed;
                     affected.extend(services);
                 }
@@ -1925,52 +1945,90 @@ mod tests {
         assert_eq!(touched.len(), 1);
     }
 
-    /// The label sets of pods gone (a StatefulSet's, each pod a set of its
-    /// own, deleted) are not held on until as many new sets come: the next
-    /// Pod event after half as many pods as sets held have gone sweeps
-    /// them. (From the hostile review.)
+    /// The label sets of pods gone are not held on until as many new sets
+    /// come: the Pod events after half as many events as sets held sweep
+    /// them, whether the pods were deleted (a StatefulSet's, each pod a
+    /// set of its own), replaced by a full list (a batch's pods, changed
+    /// while the watch was down: no fewer pods, all sets new), or still
+    /// carried by a subscriber's snapshot at the first sweep. (From the
+    /// hostile reviews.)
     #[test]
     fn the_label_sets_of_gone_pods_are_not_held_on() {
-        let mut sets = LabelSets::default();
         let template = pod_facts(pod("a", "db-0".into(), 0));
-        let with_labels = |name: String, label: &str, value: String| {
+        let with_labels = |name: String, label: &str| {
             let mut facts = template.clone();
+            facts.labels = Arc::new([(label.to_string(), name.clone())].into());
             facts.name = name;
-            facts.labels = Arc::new([(label.to_string(), value)].into());
-            Event::Apply(facts)
+            facts
         };
         let pod_name = "statefulset.kubernetes.io/pod-name";
-        let mut pods = Vec::new();
-        for i in 0..20_000 {
-            let mut e = with_labels(format!("db-{i}"), pod_name, format!("db-{i}"));
-            sets.share_in(&mut e);
-            pods.push(e);
+        let (mut world, mut relist) = (World::default(), None);
+        let n = 20_000;
+        for i in 0..n {
+            world.on_pods(
+                &mut relist,
+                Event::Apply(with_labels(format!("db-{i}"), pod_name)),
+            );
         }
-        assert_eq!(sets.len(), 20_000);
-        // Deleted in events of 100 (a namespace going).
-        for chunk in pods.chunks(100).map(|c| c.len()).collect::<Vec<_>>() {
-            pods.truncate(pods.len() - chunk);
-            sets.pods_gone(chunk);
-        }
-        let mut live = Vec::new();
-        for i in 0..500 {
-            let mut e = with_labels(format!("web-{i}"), "app", format!("web-{i}"));
-            sets.share_in(&mut e);
-            live.push(e);
-        }
-        assert!(
-            sets.len() <= 2 * live.len() + 1_024,
-            "{} sets held for {} pods",
-            sets.len(),
-            live.len()
-        );
-        // Sets still carried stay shared across a sweep.
-        let mut again = with_labels("web-0b".into(), "app", "web-0".into());
-        sets.share_in(&mut again);
-        let (Event::Apply(first), Event::Apply(again)) = (&live[0], &again) else {
-            unreachable!()
+        assert_eq!(world.label_sets.len(), n);
+        // A status report of a live pod, as a cluster sends all the time.
+        let report = |world: &mut World, relist: &mut Option<_>| {
+            let live = world.pods.values().next().expect("a pod").clone();
+            world.on_pods(relist, Event::Apply(live));
         };
-        assert!(Arc::ptr_eq(&first.labels, &again.labels));
+        let held_alone = |world: &World| {
+            let live: std::collections::HashSet<_> = world
+                .pods
+                .values()
+                .map(|p| Arc::as_ptr(&p.labels))
+                .collect();
+            world.label_sets.len() - live.len()
+        };
+
+        // Deleted, one event each; a subscriber's snapshot still holds
+        // their labels at the first sweep, and lets go after it.
+        let snapshot: Vec<_> = world.pods.values().map(|p| p.labels.clone()).collect();
+        for i in 0..n / 2 {
+            world.on_pods(
+                &mut relist,
+                Event::Delete(with_labels(format!("db-{i}"), pod_name)),
+            );
+        }
+        report(&mut world, &mut relist);
+        assert_eq!(held_alone(&world), n / 2, "still held: none swept");
+        drop(snapshot);
+        for _ in 0..n / 2 {
+            report(&mut world, &mut relist);
+        }
+        assert_eq!(world.pods.len(), n / 2);
+        assert!(
+            held_alone(&world) == 0 && world.label_sets.take_freed() == n / 2,
+            "{} sets held for {} pods",
+            world.label_sets.len(),
+            world.pods.len()
+        );
+
+        // Every pod replaced by a full list: the count stays, every set is new.
+        world.on_pods(&mut relist, Event::Init);
+        for i in 0..n / 2 {
+            let listed = with_labels(format!("job-{i}"), "batch.kubernetes.io/job-name");
+            world.on_pods(&mut relist, Event::InitApply(listed));
+        }
+        world.on_pods(&mut relist, Event::InitDone);
+        assert_eq!(world.pods.len(), n / 2);
+        report(&mut world, &mut relist);
+        assert_eq!(held_alone(&world), 0, "the replaced pods' sets swept");
+        assert_eq!(world.label_sets.take_freed(), n / 2);
+        assert!(world.label_sets.len() <= n / 2 + 1);
+
+        // Sets still carried stay shared across a sweep.
+        let first = world.pods.values().next().unwrap().clone();
+        let mut again = first.clone();
+        again.name = "job-again".into();
+        again.labels = Arc::new((*first.labels).clone());
+        world.on_pods(&mut relist, Event::Apply(again.clone()));
+        let key = (again.namespace.clone(), again.name.clone());
+        assert!(Arc::ptr_eq(&first.labels, &world.pods[&key].labels));
     }
 
     /// A full list far shorter than what was held leaves a table its size,
@@ -2110,6 +2168,66 @@ mod tests {
         }
     }
 
+    /// The strings an endpoint repeats are held once: its name by its
+    /// listings (one per port), a zone by the slice's endpoints in it, an
+    /// identity by the pods of one account; the index's snapshots hold the
+    /// same copies.
+    #[test]
+    fn an_endpoint_s_strings_are_held_once() {
+        let pods: Vec<_> = (1..=4).map(|n| (format!("web-{n}"), n)).collect();
+        let slice = slice_facts(slice_as_sent("a", "web", "web-x7k2p", &pods));
+        let mut world = World::default();
+        let svc = service_as_sent("a", "web");
+        world.services.insert(key_of(&svc), ServiceFacts::of(svc));
+        for (name, _) in &pods {
+            let pod = pod_facts(pod_as_sent("a", name));
+            world.pods.insert(key_of(&pod), pod);
+        }
+        world.slices.insert(key_of(&slice), slice.clone());
+        world.slices_changed(vec![key_of(&slice)]);
+        let key = ServiceKey::new("web", "a");
+        let state = world.state(&key, "cluster.local").expect("a service");
+        let eps: Vec<_> = state.endpoints.iter().collect();
+        assert_eq!(eps.len(), 8, "four pods, two ports");
+        let same = |a: &Option<Arc<str>>, b: &Option<Arc<str>>| match (a, b) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        for (first, second) in eps[..4].iter().zip(&eps[4..]) {
+            assert_eq!(first.name, second.name);
+            assert!(
+                same(&first.name, &second.name),
+                "{:?}: one name",
+                first.name
+            );
+            assert!(same(&first.identity, &second.identity));
+            assert!(same(&first.zone, &second.zone));
+        }
+        // web-1 and web-4 are both in zone b; all four are of one account.
+        assert_eq!(eps[0].zone.as_deref(), Some("eu-west-1b"));
+        assert!(same(&eps[0].zone, &eps[3].zone), "one copy of a zone");
+        assert!(!same(&eps[0].zone, &eps[1].zone));
+        assert!(eps.iter().all(|e| same(&e.identity, &eps[0].identity)));
+        assert_eq!(
+            eps[0].identity.as_deref(),
+            Some("web.a.serviceaccount.identity.cluster.local")
+        );
+
+        let index = Index::new(ControlMetrics::default());
+        index.set_service(&key, Some(state.clone()));
+        let slot = crate::index::SlotKey::Service(key);
+        let watch = index.subscribe(&slot, 80);
+        let published = watch.borrow().clone();
+        let (_, meta) = published
+            .snap
+            .endpoints
+            .iter()
+            .find(|(addr, _)| addr.ip() == eps[0].address.ip())
+            .expect("web-1 published");
+        assert!(same(&meta.name, &eps[0].name), "the snapshot shares it");
+        assert!(same(&meta.identity, &eps[0].identity));
+    }
+
     /// An EndpointSlice's facts give the endpoints the slice as sent says
     /// (address per port, readiness, zone, name, the pod named and its
     /// identity) and the time of its last change; an update of what is
@@ -2150,8 +2268,8 @@ mod tests {
                 )
             })
             .collect();
-        let zone = |z: &str| Some(format!("eu-west-1{z}"));
-        let name = |n: &str| Some(n.to_string());
+        let zone = |z: &str| Some(Arc::<str>::from(format!("eu-west-1{z}")));
+        let name = |n: &str| Some(Arc::<str>::from(n));
         assert_eq!(
             listed,
             [
@@ -3083,7 +3201,7 @@ mod tests {
                 let generation = state
                     .endpoints
                     .iter()
-                    .find(|e| e.name.as_ref() == Some(&name))
+                    .find(|e| e.name.as_deref() == Some(name.as_str()))
                     .and_then(|e| e.labels.get("generation"));
                 assert_eq!(generation, Some(&(i + 1).to_string()));
             }

@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use super::{default_namespace, validate, Document, EndpointSpec, EndpointsDoc};
+use super::{default_namespace, validate, Document, EndpointSpec, EndpointsDoc, SharedStrings};
 
 /// Every document of `text`, when each is an Endpoints document that this
 /// path reads exactly as the general path would and that passes
@@ -186,16 +186,18 @@ impl<'de> Visitor<'de> for EndpointList {
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut endpoints = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-        while let Some(ep) = seq.next_element_seed(Endpoint)? {
+        let mut shared = SharedStrings::default();
+        while let Some(ep) = seq.next_element_seed(Endpoint(&mut shared))? {
             endpoints.push(ep);
         }
         Ok(endpoints)
     }
 }
 
-struct Endpoint;
+/// One endpoint; its identity and zone shared with the list's others.
+struct Endpoint<'a>(&'a mut SharedStrings);
 
-impl<'de> DeserializeSeed<'de> for Endpoint {
+impl<'de> DeserializeSeed<'de> for Endpoint<'_> {
     type Value = EndpointSpec;
 
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<Self::Value, D::Error> {
@@ -203,7 +205,7 @@ impl<'de> DeserializeSeed<'de> for Endpoint {
     }
 }
 
-impl<'de> Visitor<'de> for Endpoint {
+impl<'de> Visitor<'de> for Endpoint<'_> {
     type Value = EndpointSpec;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -222,11 +224,20 @@ impl<'de> Visitor<'de> for Endpoint {
                 }
                 "port" => set_once(&mut port, map.next_value_seed(AnyScalar)?.unsigned()?)?,
                 "ready" => set_once(&mut ready, map.next_value_seed(AnyScalar)?.bool()?)?,
-                "identity" => set_once(&mut identity, map.next_value_seed(AnyScalar)?.string()?)?,
-                "zone" => set_once(&mut zone, map.next_value_seed(AnyScalar)?.string()?)?,
+                "identity" => {
+                    let text = map.next_value_seed(AnyScalar)?.string()?;
+                    set_once(&mut identity, self.0.share(&text))?
+                }
+                "zone" => {
+                    let text = map.next_value_seed(AnyScalar)?.string()?;
+                    set_once(&mut zone, self.0.share(&text))?
+                }
                 "weight" => set_once(&mut weight, map.next_value_seed(AnyScalar)?.unsigned()?)?,
                 "meshed" => set_once(&mut meshed, map.next_value_seed(AnyScalar)?.bool()?)?,
-                "name" => set_once(&mut name, map.next_value_seed(AnyScalar)?.string()?)?,
+                "name" => {
+                    let text = map.next_value_seed(AnyScalar)?.string()?;
+                    set_once(&mut name, std::sync::Arc::from(text))?
+                }
                 "labels" => set_once(&mut labels, map.next_value_seed(LabelMap)?)?,
                 _ => return Err(give_up()),
             }

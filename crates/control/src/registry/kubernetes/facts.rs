@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -21,6 +22,7 @@ use kube::runtime::watcher::Event;
 use kube::ResourceExt;
 use serde::Deserialize;
 use tether_core::authority::ServiceKey;
+use tether_core::registry::SharedStrings;
 
 use super::{
     GLOBAL_ID, MODE, OPAQUE_PORTS, PROXY_CONTAINER, RESPONSE_TIMEOUT, RETRY_BUDGET,
@@ -160,29 +162,35 @@ impl PodFacts {
 /// share hold one copy, not one each (~0.8 KiB a pod of four labels).
 ///
 /// A set nothing else holds any more is dropped by a sweep, due when the
-/// sets held have doubled since the last one, or when half as many pods as
-/// sets held have gone since (a StatefulSet's or a batch's pods, each with
-/// a set of its own, deleted). A sweep walks every set, and each is paid
-/// for by as many new sets or gone pods.
+/// sets held have doubled since the last one, or after half as many Pod
+/// events as sets held since (each at least one, a full list's end as
+/// many as the pods it added, changed or took away: a StatefulSet's or a
+/// batch's pods, each with a set of its own, deleted or replaced). A
+/// sweep walks every set, and each is paid for by as many new sets or
+/// events. A set a subscriber's last snapshot still held at a sweep goes
+/// at the next: events keep coming in a cluster whose pods report their
+/// status.
 #[derive(Default)]
 pub(super) struct LabelSets {
     held: std::collections::HashSet<std::sync::Arc<tether_core::policy::Labels>>,
     /// How many were held after the last sweep.
     after_sweep: usize,
-    /// Pods gone since the last sweep.
-    gone: usize,
+    /// Pod events since the last sweep, by the pods each touched.
+    events: usize,
+    /// Sets dropped by sweeps since [`LabelSets::take_freed`] last asked.
+    freed: usize,
 }
 
 impl LabelSets {
-    /// No sweep before this many sets are held, or pods have gone.
+    /// No sweep before this many sets are held, or events have come.
     const SWEEP_FROM: usize = 1_024;
 
     /// The labels of the Pod an event brings, shared with the equal set
     /// held, or held from now on.
     pub fn share_in(&mut self, event: &mut Event<PodFacts>) {
-        if self.gone >= (self.held.len() / 2).max(Self::SWEEP_FROM) {
-            // The gone pods' sets were counted one event ago: what was
-            // built from those pods has been rebuilt without them since.
+        if self.events >= (self.held.len() / 2).max(Self::SWEEP_FROM) {
+            // The events were counted one event ago: what was built from
+            // the pods they changed or took away has been rebuilt since.
             self.sweep();
         }
         if let Event::Apply(pod) | Event::InitApply(pod) = event {
@@ -190,10 +198,15 @@ impl LabelSets {
         }
     }
 
-    /// Counts pods the last event took away (deleted, or left out of a
-    /// full list).
-    pub fn pods_gone(&mut self, gone: usize) {
-        self.gone += gone;
+    /// Counts a Pod event that touched `pods` (added, changed or took
+    /// away; a change or a removal may have let go of a set).
+    pub fn counted(&mut self, pods: usize) {
+        self.events += pods.max(1);
+    }
+
+    /// How many sets sweeps dropped since the last call.
+    pub fn take_freed(&mut self) -> usize {
+        std::mem::take(&mut self.freed)
     }
 
     fn share(&mut self, labels: &mut std::sync::Arc<tether_core::policy::Labels>) {
@@ -212,12 +225,14 @@ impl LabelSets {
     }
 
     fn sweep(&mut self) {
+        let before = self.held.len();
         self.held
             .retain(|set| std::sync::Arc::strong_count(set) > 1);
         if self.held.capacity() > 4 * self.held.len().max(64) {
             self.held.shrink_to_fit();
         }
-        (self.after_sweep, self.gone) = (self.held.len(), 0);
+        self.freed += before - self.held.len();
+        (self.after_sweep, self.events) = (self.held.len(), 0);
     }
 
     #[cfg(test)]
@@ -458,10 +473,12 @@ pub(super) struct SliceEndpoint {
     pub addresses: Box<[IpAddr]>,
     /// Its `ready` condition; ready when unset, as the API says.
     pub ready: bool,
-    /// Its zone, or its first zone hint.
-    pub zone: Option<String>,
-    /// The name its reference gives (a Pod's, or another kind's).
-    pub name: Option<String>,
+    /// Its zone, or its first zone hint; one copy for the slice's
+    /// endpoints in the same zone, shared with the endpoints built of them.
+    pub zone: Option<Arc<str>>,
+    /// The name its reference gives (a Pod's, or another kind's), shared
+    /// with the endpoints built of it (one per port).
+    pub name: Option<Arc<str>>,
     /// The pod it names, if its reference is to a Pod by name.
     pub pod: PodRef,
 }
@@ -499,16 +516,20 @@ impl SliceFacts {
                 Some(SlicePort { name: p.name, port })
             })
             .collect();
+        let mut zones = SharedStrings::default();
         let endpoints = slice
             .endpoints
             .into_iter()
             .map(|ep| {
-                let zone = ep.zone.or_else(|| {
-                    ep.hints
-                        .and_then(|h| h.for_zones)
-                        .and_then(|z| z.into_iter().next())
-                        .map(|z| z.name)
-                });
+                let zone = ep
+                    .zone
+                    .or_else(|| {
+                        ep.hints
+                            .and_then(|h| h.for_zones)
+                            .and_then(|z| z.into_iter().next())
+                            .map(|z| z.name)
+                    })
+                    .map(|z| zones.share(&z));
                 let (name, pod) = match ep.target_ref {
                     Some(r) => {
                         let pod = match (r.kind.as_deref(), &r.name, r.namespace) {
@@ -517,7 +538,7 @@ impl SliceFacts {
                             (Some("Pod"), Some(_), Some(ns)) => PodRef::In(ns),
                             _ => PodRef::None,
                         };
-                        (r.name, pod)
+                        (r.name.map(Arc::from), pod)
                     }
                     None => (None, PodRef::None),
                 };
@@ -547,7 +568,7 @@ impl SliceFacts {
             PodRef::Own => &self.namespace,
             PodRef::In(ns) => ns,
         };
-        Some((namespace.clone(), endpoint.name.clone()?))
+        Some((namespace.clone(), endpoint.name.as_deref()?.to_string()))
     }
 }
 
