@@ -81,8 +81,15 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     static RELEASES: AtomicUsize = AtomicUsize::new(0);
+    /// The thread the test's runtime polls its tasks on.
+    static RUNTIME_THREAD: std::sync::OnceLock<std::thread::ThreadId> = std::sync::OnceLock::new();
+    /// Releases made there, where a walk would stall every task.
+    static ON_RUNTIME_THREAD: AtomicUsize = AtomicUsize::new(0);
 
     fn count_release() {
+        if RUNTIME_THREAD.get() == Some(&std::thread::current().id()) {
+            ON_RUNTIME_THREAD.fetch_add(1, Ordering::SeqCst);
+        }
         RELEASES.fetch_add(1, Ordering::SeqCst);
     }
 
@@ -110,6 +117,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn asks_are_served_one_walk_at_a_time_and_spaced_out() {
+        RUNTIME_THREAD.get_or_init(|| std::thread::current().id());
         let release = MemoryRelease::default();
         let shutdown = Shutdown::default();
         let took = crate::metrics::ControlMetrics::default().memory_releases;
@@ -139,6 +147,11 @@ mod tests {
         registry.register("release_seconds", "", took);
         prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         assert!(text.contains("release_seconds_count 2"), "{text}");
+        assert_eq!(
+            ON_RUNTIME_THREAD.load(Ordering::SeqCst),
+            0,
+            "walks on the blocking pool"
+        );
         shutdown.trigger();
         task.await.expect("the task ends at shutdown");
     }
