@@ -126,6 +126,9 @@ struct Live {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct AuditReport {
     pub subscriptions: usize,
+    /// The endpoints of the states the subscriptions follow, counted once
+    /// per subscription.
+    pub endpoints_followed: usize,
     /// Still sending a newer state: not divergent, just not done.
     pub in_flight: usize,
     pub divergent: usize,
@@ -266,6 +269,7 @@ impl Subscriptions {
                     published
                 })
                 .clone();
+            report.endpoints_followed += published.view(sub.tiers).endpoints.len();
             let state = sub.state.lock().unwrap();
             if state.sending || state.version < published.version {
                 report.in_flight += 1;
@@ -1613,7 +1617,16 @@ mod tests {
         };
         let mut rx = dst.subscribe(key.clone(), 80);
         assert_eq!(kinds(&[rx.recv().await.unwrap().unwrap()]), ["add1"]);
-        assert_eq!(subscriptions.audit(&index, &metrics).divergent, 0);
+        let clean = subscriptions.audit(&index, &metrics);
+        assert_eq!(
+            (
+                clean.divergent,
+                clean.subscriptions,
+                clean.endpoints_followed
+            ),
+            (0, 1, 1),
+            "{clean}"
+        );
 
         // Simulate a lost update: the sender no longer knows what it sent.
         let sub = subscriptions

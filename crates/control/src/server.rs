@@ -15,7 +15,7 @@ use tether_admin::{bind, Admin, Readiness, Shutdown};
 use tonic::service::interceptor::InterceptedService;
 
 use crate::channel::{Access, ChannelSecurity, Require};
-use crate::destination::{DestinationGrpc, DestinationService, Subscriptions};
+use crate::destination::{AuditReport, DestinationGrpc, DestinationService, Subscriptions};
 use crate::identity::{IdentityMetrics, IdentityService, IdentitySource, KubeTokenReview};
 use crate::inbound_policy::{InboundDefaults, InboundService};
 use crate::index::Index;
@@ -474,26 +474,35 @@ async fn audit_loop(
             _ = tick.tick() => {}
             _ = shutdown.triggered() => return,
         }
-        subscriptions.audit(&index, &metrics);
+        let report = subscriptions.audit(&index, &metrics);
         index.collect_garbage();
-        if trim.due(subscriptions.len()) {
+        if trim.due(Trim::weight(&report)) {
             memory.ask();
         }
     }
 }
 
 /// When to hand freed memory back to the operating system. glibc keeps
-/// what many closed streams freed (10,000 streams: about 150 MB of RSS that
-/// nothing uses) until asked; asking costs a walk of the heap, so it is done
-/// only after the number of subscriptions fell by half and by at least
-/// [`Trim::MIN_DROP`] since its peak.
+/// what closed streams freed until asked: 10,000 streams left about 150 MB
+/// of RSS that nothing used, and 20 streams of a 100,000-endpoint service
+/// ~90 MB (what each held while it sent the service whole). Asking costs a
+/// walk of the heap, so it is done only after what the subscriptions
+/// follow fell by half and by at least [`Trim::MIN_DROP`] since its peak,
+/// weighed in endpoints: a stream counts as [`Trim::PER_SUBSCRIPTION`] of
+/// them (~15 KB a stream, ~45 bytes an endpoint it was sent).
 #[derive(Default)]
 struct Trim {
     peak: usize,
 }
 
 impl Trim {
-    const MIN_DROP: usize = 1_000;
+    const PER_SUBSCRIPTION: usize = 256;
+    /// A thousand streams of small services, or one of 256,000 endpoints.
+    const MIN_DROP: usize = 1_000 * Self::PER_SUBSCRIPTION;
+
+    fn weight(report: &AuditReport) -> usize {
+        report.subscriptions * Self::PER_SUBSCRIPTION + report.endpoints_followed
+    }
 
     fn due(&mut self, live: usize) -> bool {
         self.peak = self.peak.max(live);
@@ -566,13 +575,34 @@ mod tests {
 
     #[test]
     fn memory_is_trimmed_after_a_large_drop_only() {
+        let streams = |n: usize| n * Trim::PER_SUBSCRIPTION;
         let mut trim = Trim::default();
-        assert!(!trim.due(10_000));
-        assert!(!trim.due(9_000), "a small drop");
-        assert!(!trim.due(5_001));
-        assert!(trim.due(4_000));
-        assert!(!trim.due(4_000), "once per drop");
-        assert!(!trim.due(3_500), "less than MIN_DROP below the new peak");
-        assert!(trim.due(1_500));
+        assert!(!trim.due(streams(10_000)));
+        assert!(!trim.due(streams(9_000)), "a small drop");
+        assert!(!trim.due(streams(5_001)));
+        assert!(trim.due(streams(4_000)));
+        assert!(!trim.due(streams(4_000)), "once per drop");
+        assert!(
+            !trim.due(streams(3_500)),
+            "less than MIN_DROP below the new peak"
+        );
+        assert!(trim.due(streams(1_500)));
+    }
+
+    /// A few streams of a very large service weigh as much as many of
+    /// small ones: each held the service whole while it sent it.
+    #[test]
+    fn streams_are_weighed_by_the_endpoints_they_follow() {
+        let report = |subscriptions: usize, endpoints: usize| AuditReport {
+            subscriptions,
+            endpoints_followed: subscriptions * endpoints,
+            ..AuditReport::default()
+        };
+        let mut trim = Trim::default();
+        assert!(!trim.due(Trim::weight(&report(20, 100_000))));
+        assert!(trim.due(Trim::weight(&report(0, 0))), "20 streams closed");
+        let mut trim = Trim::default();
+        assert!(!trim.due(Trim::weight(&report(20, 10))));
+        assert!(!trim.due(Trim::weight(&report(0, 0))), "a small drop");
     }
 }
