@@ -703,6 +703,102 @@ endpoints:
         assert!(e.starts_with("document 2"), "{e}");
     }
 
+    /// An endpoint's identity, zone and name, `Option<Arc<str>>`, read,
+    /// fail and are written exactly as the `Option<String>` they replaced,
+    /// on the general path (the error naming the field) and straight from
+    /// text. (From the hostile review.)
+    #[test]
+    fn endpoint_strings_read_fail_and_write_as_strings_did() {
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Old {
+            address: SocketAddr,
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            port: Option<u16>,
+            #[serde(default = "yes")]
+            ready: bool,
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            identity: Option<String>,
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            zone: Option<String>,
+            #[serde(default = "one")]
+            weight: u32,
+            #[serde(default = "yes")]
+            meshed: bool,
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            name: Option<String>,
+            #[serde(default = "no_labels", skip_serializing_if = "has_no_labels")]
+            labels: std::sync::Arc<crate::policy::Labels>,
+        }
+        let old_of = |e: EndpointSpec| Old {
+            address: e.address,
+            port: e.port,
+            ready: e.ready,
+            identity: e.identity.as_deref().map(String::from),
+            zone: e.zone.as_deref().map(String::from),
+            weight: e.weight,
+            meshed: e.meshed,
+            name: e.name.as_deref().map(String::from),
+            labels: e.labels,
+        };
+        let values = [
+            "web",
+            "\"web\"",
+            "80",
+            "-1",
+            "1.5",
+            "true",
+            "~",
+            "null",
+            "\"\"",
+            "[a]",
+            "{a: b}",
+            "!t a",
+            "!!str 80",
+            "!!int 80",
+            "'~'",
+            "|\n  ab",
+            "\"\\u0041\"",
+            "\"\\xff\"",
+        ];
+        let mut checked = 0;
+        for field in ["identity", "zone", "name"] {
+            for v in values {
+                let text = format!("address: 10.0.0.1:80\n{field}: {v}\n");
+                let Ok(yaml) = serde_yaml::from_str::<serde_yaml::Value>(&text) else {
+                    continue;
+                };
+                let serde_yaml::Value::Mapping(map) = yaml else {
+                    panic!()
+                };
+                let new = from_mapping::<EndpointSpec>(map.clone()).map(old_of);
+                let old = from_mapping::<Old>(map);
+                assert_eq!(new, old, "{text}");
+                // Straight from text, as serde_yaml reads it.
+                let new = serde_yaml::from_str::<EndpointSpec>(&text)
+                    .map(old_of)
+                    .map_err(|e| e.to_string());
+                let old = serde_yaml::from_str::<Old>(&text).map_err(|e| e.to_string());
+                assert_eq!(new, old, "{text}");
+                checked += 1;
+            }
+        }
+        // Written alike.
+        for text in [
+            "address: 10.0.0.1:80\nidentity: a.b\nzone: z\nname: \"80\"\n",
+            "address: 10.0.0.1:80\nzone: \"\"\nname: \"a: b\"\n",
+        ] {
+            let new: EndpointSpec = serde_yaml::from_str(text).unwrap();
+            let old: Old = serde_yaml::from_str(text).unwrap();
+            assert_eq!(
+                serde_yaml::to_string(&new).unwrap(),
+                serde_yaml::to_string(&old).unwrap()
+            );
+            assert_eq!(format!("{:?}", new.zone), format!("{:?}", old.zone));
+        }
+        assert!(checked > 30, "{checked}");
+    }
+
     /// The longest error a document may produce, whatever it holds.
     const MAX_ERROR_BYTES: usize = 1024;
 

@@ -36,7 +36,7 @@
 //! listed, and each route and policy kind (and Namespaces) listed or found
 //! missing.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{hash_map, BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
@@ -219,8 +219,8 @@ struct World {
     /// A pod is in one slice or a few: a short list, not a tree, whose
     /// smallest node is ~0.5 KiB (a set here took 67 MB more at 100,000
     /// pods in `a_large_cluster`).
-    slices_of_pod: HashMap<(String, String), Vec<(String, String)>>,
-    slice_refs: HashMap<(String, String), SliceRefs>,
+    slices_of_pod: HashMap<SharedKey, Vec<SharedKey>>,
+    slice_refs: HashMap<SharedKey, SliceRefs>,
     /// What each slice gives its service's endpoint list, built once per
     /// version of the slice, of the pods it names and of the service's
     /// ports (the trust domain, the other input, is the registry's for
@@ -282,21 +282,28 @@ impl Listings {
     }
 }
 
+/// A namespace and name the indexes hold once: a pod's in each slice's
+/// list of pods and as its own key, a slice's in each of its pods' lists
+/// of slices and as its own key (two strings and a map entry a pod fewer
+/// than a copy each).
+type SharedKey = Arc<(String, String)>;
+
 /// What one EndpointSlice is indexed under: its service, and the pods its
 /// endpoints name (as `state` looks them up: a reference without a
 /// namespace is to the slice's own).
 struct SliceRefs {
     service: Option<ServiceKey>,
-    /// Sorted, each once.
-    pods: Vec<(String, String)>,
+    /// Sorted, each once; the keys of `slices_of_pod`.
+    pods: Vec<SharedKey>,
 }
 
 impl SliceRefs {
     fn of(slice: &SliceFacts) -> Self {
-        let mut pods: Vec<(String, String)> = slice
+        let mut pods: Vec<SharedKey> = slice
             .endpoints
             .iter()
             .filter_map(|ep| slice.pod_of(ep))
+            .map(Arc::new)
             .collect();
         pods.sort_unstable();
         pods.dedup();
@@ -525,29 +532,32 @@ impl World {
     ) -> Vec<EndpointSpec> {
         // What each endpoint's listings (one per port) share: whether it is
         // meshed, its identity (one copy for the pods of one account) and
-        // labels.
-        let mut identities = SharedStrings::default();
-        let of_pods: Vec<_> = slice
-            .endpoints
-            .iter()
-            .map(|ep| {
-                let pod = slice.pod_of(ep).and_then(|k| self.pods.get(&k));
-                let meshed = pod.is_some_and(|p| p.meshed);
-                let identity = pod.filter(|_| meshed).map(|p| {
-                    let sa = p.service_account.as_deref().unwrap_or("default");
-                    // The pod's account, in the pod's namespace (a slice may
-                    // name a pod of another).
-                    identities.share(&tether_identity::identity_name(
-                        sa,
-                        &p.namespace,
-                        trust_domain,
-                    ))
-                });
-                let labels =
-                    pod.map_or_else(tether_core::registry::no_labels, |p| p.labels.clone());
-                (meshed, identity, labels)
-            })
-            .collect();
+        // labels; looked up at the first port served.
+        let mut of_pods = Vec::new();
+        let of_pods_for = |slice: &SliceFacts| -> Vec<_> {
+            let mut identities = SharedStrings::default();
+            slice
+                .endpoints
+                .iter()
+                .map(|ep| {
+                    let pod = slice.pod_of(ep).and_then(|k| self.pods.get(&k));
+                    let meshed = pod.is_some_and(|p| p.meshed);
+                    let identity = pod.filter(|_| meshed).map(|p| {
+                        let sa = p.service_account.as_deref().unwrap_or("default");
+                        // The pod's account, in the pod's namespace (a slice may
+                        // name a pod of another).
+                        identities.share(&tether_identity::identity_name(
+                            sa,
+                            &p.namespace,
+                            trust_domain,
+                        ))
+                    });
+                    let labels =
+                        pod.map_or_else(tether_core::registry::no_labels, |p| p.labels.clone());
+                    (meshed, identity, labels)
+                })
+                .collect()
+        };
         let mut endpoints = Vec::new();
         for sp in &slice.ports {
             let service_port = ports
@@ -558,6 +568,9 @@ impl World {
             let Some(service_port) = service_port else {
                 continue;
             };
+            if of_pods.is_empty() {
+                of_pods = of_pods_for(slice);
+            }
             for (ep, (meshed, identity, labels)) in slice.endpoints.iter().zip(&of_pods) {
                 for ip in &ep.addresses {
                     endpoints.push(EndpointSpec {
@@ -784,7 +797,7 @@ impl World {
             }
             for pod in &old.pods {
                 if let Some(slices) = self.slices_of_pod.get_mut(pod) {
-                    slices.retain(|k| *k != key);
+                    slices.retain(|k| **k != key);
                     if slices.is_empty() {
                         self.slices_of_pod.remove(pod);
                     }
@@ -792,7 +805,7 @@ impl World {
             }
         }
         if let Some(slice) = self.slices.get(&key) {
-            let refs = SliceRefs::of(slice);
+            let mut refs = SliceRefs::of(slice);
             if let Some(service) = &refs.service {
                 self.slices_of_service
                     .entry(service.clone())
@@ -800,10 +813,18 @@ impl World {
                     .insert(key.clone());
                 services.push(service.clone());
             }
-            for pod in &refs.pods {
-                let slices = self.slices_of_pod.entry(pod.clone()).or_default();
-                if !slices.contains(&key) {
-                    slices.push(key.clone());
+            let key = Arc::new(key);
+            for pod in &mut refs.pods {
+                match self.slices_of_pod.entry(pod.clone()) {
+                    hash_map::Entry::Occupied(mut held) => {
+                        *pod = held.key().clone();
+                        if !held.get().contains(&key) {
+                            held.get_mut().push(key.clone());
+                        }
+                    }
+                    hash_map::Entry::Vacant(new) => {
+                        new.insert(vec![key.clone()]);
+                    }
                 }
             }
             self.slice_refs.insert(key, refs);
@@ -1108,9 +1129,9 @@ impl Registry for KubernetesRegistry {
                     self.observe_lag("Pod", &e);
                     freed_much = ends_a_large_relist(&world.pods, &pod_relist, &e);
                     let (listed, services) = world.on_pods(&mut pod_relist, e);
-                    // A sweep of as many label sets as a large list frees
+                    // Sweeps of as many label sets as a large list frees
                     // as much.
-                    freed_much |= world.label_sets.take_freed() >= LARGE_RELIST;
+                    freed_much |= world.label_sets.freed_at_least(LARGE_RELIST);
                     synced[2] |= listed;
                     affected.extend(services);
                 }
@@ -1581,7 +1602,11 @@ mod tests {
                 .is_some_and(|r| r.pods.contains(pod))
         })?;
         prop_assert_eq!(
-            world.slice_refs.keys().collect::<BTreeSet<_>>(),
+            world
+                .slice_refs
+                .keys()
+                .map(|k| &**k)
+                .collect::<BTreeSet<_>>(),
             world.slices.keys().collect::<BTreeSet<_>>()
         );
         Ok(())
@@ -1943,6 +1968,43 @@ mod tests {
         let mut touched = Vec::new();
         apply(&mut services, &mut None, Event::Apply(svc), &mut touched);
         assert_eq!(touched.len(), 1);
+    }
+
+    /// A mass deletion's sets freed over several sweeps (status reports
+    /// come in between) ask once for the memory to be returned, as a
+    /// large full list does. (From the hostile review.)
+    #[test]
+    fn sets_freed_over_several_sweeps_ask_for_the_memory_back() {
+        let template = pod_facts(pod("a", "db-0".into(), 0));
+        let with = |i: usize| {
+            let mut facts = template.clone();
+            facts.labels = Arc::new([("pod".to_string(), format!("db-{i}"))].into());
+            facts.name = format!("db-{i}");
+            facts
+        };
+        let (mut world, mut relist) = (World::default(), None);
+        let n = 30_000;
+        for i in 0..n {
+            world.on_pods(&mut relist, Event::Apply(with(i)));
+        }
+        let (mut asks, mut sweeps_freeing) = (0, 0);
+        let mut step = |world: &mut World, relist: &mut Option<_>, e| {
+            let before = world.label_sets.len();
+            world.on_pods(relist, e);
+            sweeps_freeing += usize::from(world.label_sets.len() < before);
+            asks += usize::from(world.label_sets.freed_at_least(LARGE_RELIST));
+        };
+        let live = with(n - 1);
+        for i in 0..n / 2 {
+            step(&mut world, &mut relist, Event::Delete(with(i)));
+            step(&mut world, &mut relist, Event::Apply(live.clone()));
+        }
+        for _ in 0..n {
+            step(&mut world, &mut relist, Event::Apply(live.clone()));
+        }
+        assert_eq!(world.label_sets.len(), n / 2, "every gone pod's set freed");
+        assert!(sweeps_freeing > 1, "{sweeps_freeing} sweeps freed them");
+        assert_eq!(asks, 1);
     }
 
     /// The label sets of pods gone are not held on until as many new sets

@@ -177,7 +177,8 @@ pub(super) struct LabelSets {
     after_sweep: usize,
     /// Pod events since the last sweep, by the pods each touched.
     events: usize,
-    /// Sets dropped by sweeps since [`LabelSets::take_freed`] last asked.
+    /// Sets dropped by sweeps since [`LabelSets::freed_at_least`] last
+    /// answered yes.
     freed: usize,
 }
 
@@ -204,7 +205,18 @@ impl LabelSets {
         self.events += pods.max(1);
     }
 
+    /// Whether sweeps dropped at least `n` sets since this last answered
+    /// yes (a mass deletion's sets go over more than one sweep).
+    pub fn freed_at_least(&mut self, n: usize) -> bool {
+        let enough = self.freed >= n;
+        if enough {
+            self.freed = 0;
+        }
+        enough
+    }
+
     /// How many sets sweeps dropped since the last call.
+    #[cfg(test)]
     pub fn take_freed(&mut self) -> usize {
         std::mem::take(&mut self.freed)
     }
