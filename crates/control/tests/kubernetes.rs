@@ -835,3 +835,67 @@ async fn certify_checks_service_account_tokens_through_token_review() {
     let e = certify("sa-token-other-audience", web).await.unwrap_err();
     assert!(e.message().contains("audience"), "{}", e.message());
 }
+
+/// How many times the control plane returned freed memory (the count of
+/// `tether_memory_release_seconds`).
+fn memory_releases(metrics: &ControlMetrics) -> f64 {
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register("released", "", metrics.memory_releases.clone());
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    tether_core::prom::parse(&text)
+        .iter()
+        .find(|s| s.name == "released_count")
+        .map_or(0.0, |s| s.value)
+}
+
+/// A full list of a large cluster's Pods after `410 Gone` asks for what
+/// it freed to be returned; the first list frees nothing held, and does
+/// not.
+#[tokio::test]
+async fn a_large_relist_returns_its_freed_memory() {
+    let api = ApiServer::default();
+    api.upsert(SERVICES, service());
+    for i in 0..10_000 {
+        api.upsert(PODS, pod(&format!("web-{i}")));
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(api.clone().serve(listener));
+
+    let metrics = ControlMetrics::default();
+    let shutdown = tether_admin::Shutdown::default();
+    let memory = tether_control::memory::MemoryRelease::spawn(
+        metrics.memory_releases.clone(),
+        shutdown.clone(),
+    );
+    let index = Index::new(metrics.clone());
+    let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
+    let lag = WatchLag::new_with_constructor(tether_control::metrics::LatencyBuckets);
+    let registry = KubernetesRegistry::new(client, "cluster.local", metrics.clone(), lag)
+        .with_memory_release(memory);
+    let loaded = Arc::new(AtomicBool::new(false));
+    let flag = loaded.clone();
+    tokio::spawn(registry.run(
+        index.clone(),
+        Box::new(move || flag.store(true, Ordering::SeqCst)),
+    ));
+    assert!(
+        eventually(|| loaded.load(Ordering::SeqCst)).await,
+        "never loaded"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(memory_releases(&metrics), 0.0, "the first list asked");
+
+    let lists = api.state.lock().unwrap().lists;
+    // Past the compaction point, so one list serves.
+    api.compact_and_drop();
+    api.upsert(PODS, pod("web-new"));
+    assert!(
+        eventually(|| memory_releases(&metrics) == 1.0).await,
+        "no memory returned after the Pods were listed again ({} lists before, {} now)",
+        lists,
+        api.state.lock().unwrap().lists
+    );
+    shutdown.trigger();
+}
