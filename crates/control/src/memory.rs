@@ -12,9 +12,10 @@ use tether_admin::Shutdown;
 use tokio::sync::Notify;
 
 /// Asks for freed heap memory to be returned to the operating system.
-/// One task serves every ask: one walk of the heap at a time, at most one
-/// per [`MemoryRelease::SPACING`], and the asks made meanwhile served
-/// together by the next.
+/// One task serves every ask: one walk of the heap at a time, the next
+/// after [`MemoryRelease::SPACING`] or a hundred times the walk's length
+/// (whichever is longer), and the asks made meanwhile served together by
+/// it.
 #[derive(Clone, Default)]
 pub struct MemoryRelease {
     asked: Arc<Notify>,
@@ -24,6 +25,15 @@ impl MemoryRelease {
     /// A walk of a fragmented heap of hundreds of MiB can take a second of
     /// CPU: after one, the next waits this long.
     pub const SPACING: Duration = Duration::from_secs(10);
+    /// And at least this many times the walk's own length: glibc holds an
+    /// arena's lock through its walk, so a thread allocating from it waits
+    /// that long, for at most 1% of its time however slow walks get.
+    const WAIT_PER_WALK: u32 = 100;
+
+    /// The wait after a walk that took `took`.
+    fn spacing_after(took: Duration) -> Duration {
+        Self::SPACING.max(took.saturating_mul(Self::WAIT_PER_WALK))
+    }
 
     /// Starts the task that serves the asks, until `shutdown`; each walk's
     /// time goes to `took`.
@@ -51,13 +61,14 @@ async fn serve(asked: Arc<Notify>, release: fn(), took: Histogram, shutdown: Shu
         if tokio::task::spawn_blocking(release).await.is_err() {
             return;
         }
-        took.observe(started.elapsed().as_secs_f64());
+        let walk = started.elapsed();
+        took.observe(walk.as_secs_f64());
         tracing::debug!(
-            took_ms = started.elapsed().as_millis() as u64,
+            took_ms = walk.as_millis() as u64,
             "returned freed memory to the operating system"
         );
         tokio::select! {
-            _ = tokio::time::sleep(MemoryRelease::SPACING) => {}
+            _ = tokio::time::sleep(MemoryRelease::spacing_after(walk)) => {}
             _ = shutdown.triggered() => return,
         }
     }
@@ -113,6 +124,16 @@ mod tests {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    #[test]
+    fn slow_walks_are_spaced_further_apart() {
+        let spacing = MemoryRelease::spacing_after;
+        assert_eq!(spacing(Duration::ZERO), MemoryRelease::SPACING);
+        assert_eq!(spacing(Duration::from_millis(7)), MemoryRelease::SPACING);
+        assert_eq!(spacing(Duration::from_millis(250)), Duration::from_secs(25));
+        assert_eq!(spacing(Duration::from_secs(2)), Duration::from_secs(200));
+        assert_eq!(spacing(Duration::MAX), Duration::MAX);
     }
 
     #[tokio::test(start_paused = true)]
