@@ -1609,6 +1609,59 @@ mod tests {
                 .collect::<BTreeSet<_>>(),
             world.slices.keys().collect::<BTreeSet<_>>()
         );
+        check_shared_keys(world)
+    }
+
+    /// Each slice's refs are what its current version names, the two
+    /// indexes are each other's inverse, and each key is one Arc: the pod
+    /// keys in the slices' lists are the map's keys, the slice keys in the
+    /// pods' lists are `slice_refs`' keys, and nothing else holds them.
+    /// (From the hostile review.)
+    fn check_shared_keys(world: &World) -> Result<(), TestCaseError> {
+        let mut slices_naming: HashMap<&(String, String), usize> = HashMap::new();
+        for (key, refs) in &world.slice_refs {
+            let slice = world.slices.get(&**key).expect("refs of a held slice");
+            let fresh = SliceRefs::of(slice);
+            prop_assert_eq!(&refs.pods, &fresh.pods, "refs of {:?}", key);
+            prop_assert_eq!(&refs.service, &fresh.service, "service of {:?}", key);
+            for pod in &refs.pods {
+                *slices_naming.entry(&**pod).or_default() += 1;
+                let (held, slices) = world
+                    .slices_of_pod
+                    .get_key_value(pod)
+                    .ok_or_else(|| TestCaseError::fail(format!("{pod:?} of {key:?} unindexed")))?;
+                prop_assert!(
+                    Arc::ptr_eq(held, pod),
+                    "{:?} of {:?} a second Arc",
+                    pod,
+                    key
+                );
+                prop_assert!(
+                    slices.iter().any(|s| Arc::ptr_eq(s, key)),
+                    "{:?} not under {:?} (as the same Arc)",
+                    key,
+                    pod
+                );
+            }
+            prop_assert_eq!(
+                Arc::strong_count(key),
+                1 + refs.pods.len(),
+                "holders of slice key {:?}",
+                key
+            );
+        }
+        for (pod, slices) in &world.slices_of_pod {
+            prop_assert_eq!(
+                slices.len(),
+                slices_naming.get(&**pod).copied().unwrap_or(0)
+            );
+            prop_assert_eq!(
+                Arc::strong_count(pod),
+                1 + slices.len(),
+                "holders of pod key {:?}",
+                pod
+            );
+        }
         Ok(())
     }
 
