@@ -14,8 +14,8 @@ use tokio::sync::Notify;
 /// Asks for freed heap memory to be returned to the operating system.
 /// One task serves every ask: one walk of the heap at a time, the next
 /// after [`MemoryRelease::SPACING`] or a hundred times the walk's length
-/// (whichever is longer), and the asks made meanwhile served together by
-/// it.
+/// (whichever is longer, up to ten minutes), and the asks made meanwhile
+/// served together by it.
 #[derive(Clone, Default)]
 pub struct MemoryRelease {
     asked: Arc<Notify>,
