@@ -533,8 +533,8 @@ impl World {
         // What each endpoint's listings (one per port) share: whether it is
         // meshed, its identity (one copy for the pods of one account) and
         // labels; looked up at the first port served.
-        let mut of_pods = Vec::new();
-        let of_pods_for = |slice: &SliceFacts| -> Vec<_> {
+        let mut of_pods = None;
+        let look_up_pods = || -> Vec<_> {
             let mut identities = SharedStrings::default();
             slice
                 .endpoints
@@ -568,10 +568,8 @@ impl World {
             let Some(service_port) = service_port else {
                 continue;
             };
-            if of_pods.is_empty() {
-                of_pods = of_pods_for(slice);
-            }
-            for (ep, (meshed, identity, labels)) in slice.endpoints.iter().zip(&of_pods) {
+            let of_pods = of_pods.get_or_insert_with(look_up_pods);
+            for (ep, (meshed, identity, labels)) in slice.endpoints.iter().zip(of_pods.iter()) {
                 for ip in &ep.addresses {
                     endpoints.push(EndpointSpec {
                         address: SocketAddr::new(*ip, sp.port),
