@@ -19,7 +19,8 @@
 //! Usage: bench/proxy-latency.sh [--rates 1000,5000] [--seconds S] [--reps N] [--concurrency C]
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
 //!          [--perf DIR] [--syscalls] [--allocs] [--compare-h1] [--haproxy-mtls]
-//!          [--tether-proxy PATH] [--protocol http1|http2|grpc] [--netns [--haproxy-sidecar]]
+//!          [--tether-proxy PATH] [--protocol http1|http2|grpc]
+//!          [--netns [--haproxy-sidecar] [--compare-explicit]]
 //!          [--callgrind DIR] [--request-ids]
 //!
 //! The Tether pairs run `tether-proxy`, the proxy-only binary (`--tether-proxy
@@ -79,6 +80,15 @@
 //! as a Tether pair, and every Tether pair is checked against it too.
 //! Informational: the goals stay against the plain pair.
 //!
+//! `--compare-explicit` (with `--netns`) is the same comparison turned
+//! round: it adds a Tether mTLS pair whose pods have no redirect, dialled
+//! as the plain HAProxy pair is (the load at the client proxy's outbound
+//! port, which takes the service from the request's authority, as an app
+//! configured with an explicit proxy or an upstream would; the client
+//! proxy at the server proxy's inbound port). Against the plain pair it
+//! is like for like; against the mTLS pair, it is what the redirect costs
+//! Tether's pods.
+//!
 //! `--callgrind DIR` runs every proxy under callgrind and prints the
 //! user-space instructions each executes per request (first repetition's
 //! open-loop runs): a figure the machine's load does not move, for
@@ -133,6 +143,11 @@ struct Args {
     /// Add a plaintext HAProxy pair run as sidecars, behind the same
     /// redirect as the Tether pods (--netns only).
     haproxy_sidecar: bool,
+    /// Add an mTLS pair in pods without the redirect: the load dials the
+    /// client proxy's outbound port and the client proxy the server
+    /// proxy's inbound port, as the plain HAProxy pair is dialled
+    /// (--netns only).
+    compare_explicit: bool,
     /// What the load speaks to the outbound: `http1`, `http2` or `grpc`.
     protocol: String,
     /// Every route in its own pair of pod network namespaces, the Tether
@@ -155,6 +170,9 @@ struct Variant {
     /// HTTP/1.1 between the proxies (the endpoint registered as not
     /// meshed) instead of HTTP/2.
     h1_between: bool,
+    /// With --netns, its pods behind `tether init`'s redirect; without,
+    /// every hop is dialled by address, as the plain HAProxy pair's are.
+    redirect: bool,
 }
 
 fn variants(args: &Args) -> Vec<Variant> {
@@ -169,6 +187,7 @@ fn variants(args: &Args) -> Vec<Variant> {
         tls,
         proxy_args: args.proxy_args.iter().chain(extra).cloned().collect(),
         h1_between: false,
+        redirect: true,
     };
     let mut out = vec![
         v("tether", &own, false, &[]),
@@ -208,6 +227,12 @@ fn variants(args: &Args) -> Vec<Variant> {
             ..v("mTLS,h1", &own, true, &[])
         });
     }
+    if args.compare_explicit {
+        out.push(Variant {
+            redirect: false,
+            ..v(EXPLICIT, &own, true, &[])
+        });
+    }
     out
 }
 
@@ -229,7 +254,7 @@ usage: proxy-latency [--tether PATH] [--tether-proxy PATH] [--rates 1000,5000] [
                      [--reps 3] [--concurrency 32] [--proxy-arg ARG]... [--compare BINARY]...
                      [--compare-threads N]... [--compare-h1] [--haproxy-mtls] [--syscalls]
                      [--allocs] [--perf DIR] [--callgrind DIR] [--protocol http1|http2|grpc]
-                     [--netns [--haproxy-sidecar]] [--request-ids]
+                     [--netns [--haproxy-sidecar] [--compare-explicit]] [--request-ids]
 The flags and what each figure means: docs/benchmarks.md.";
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -249,6 +274,7 @@ fn parse_args() -> anyhow::Result<Args> {
         allocs: false,
         haproxy_mtls: false,
         haproxy_sidecar: false,
+        compare_explicit: false,
         protocol: "http1".to_string(),
         netns: false,
         callgrind: None,
@@ -278,6 +304,10 @@ fn parse_args() -> anyhow::Result<Args> {
         }
         if flag == "--haproxy-sidecar" {
             args.haproxy_sidecar = true;
+            continue;
+        }
+        if flag == "--compare-explicit" {
+            args.compare_explicit = true;
             continue;
         }
         if flag == "--netns" {
@@ -331,6 +361,9 @@ fn parse_args() -> anyhow::Result<Args> {
     }
     if args.haproxy_sidecar && !args.netns {
         bail!("--haproxy-sidecar runs HAProxy behind a pod's redirect: add --netns");
+    }
+    if args.compare_explicit && !args.netns {
+        bail!("--compare-explicit leaves a pair's pods without the redirect: add --netns (over loopback no pair has one)");
     }
     if args.haproxy_sidecar && args.protocol != "http1" {
         bail!("--haproxy-sidecar: HAProxy pairs speak HTTP/1.1 only (drop --protocol)");
@@ -1022,7 +1055,7 @@ async fn main() -> anyhow::Result<()> {
             &format!("{service}.yaml"),
             &Document::Service(service_doc.clone()),
         )?;
-        if let Some((client, server)) = &pod_pair {
+        if let Some((client, server)) = pod_pair.as_ref().filter(|_| variant.redirect) {
             for pod in [server, client] {
                 netns::intercept(&args.tether, pod, Some(control.addr("grpc").port()))?;
             }
@@ -1035,10 +1068,15 @@ async fn main() -> anyhow::Result<()> {
                      pod: Option<&netns::Pod>|
          -> anyhow::Result<Vec<String>> {
             // In a pod, as a sidecar: the outbound on loopback where the
-            // redirect sends connections, inbound and admin on the pod's IP.
+            // redirect sends connections (without one, on the pod's IP, as
+            // HAProxy's client side), inbound and admin on the pod's IP.
             let (outbound, inbound, admin) = match pod {
                 Some(pod) => (
-                    format!("127.0.0.1:{}", netns::OUTBOUND_PORT),
+                    if variant.redirect {
+                        format!("127.0.0.1:{}", netns::OUTBOUND_PORT)
+                    } else {
+                        pod.addr(netns::OUTBOUND_PORT).to_string()
+                    },
                     pod.addr(netns::INBOUND_PORT).to_string(),
                     pod.addr(netns::ADMIN_PORT).to_string(),
                 ),
@@ -1135,9 +1173,11 @@ async fn main() -> anyhow::Result<()> {
                     // server proxy (still over mTLS), as to a plain app.
                     meshed: !variant.h1_between,
                     // In a pod: the pod's app port, which the server pod's
-                    // redirect sends to the inbound.
+                    // redirect sends to the inbound (without one, the
+                    // inbound itself).
                     ..EndpointSpec::new(match server_pod {
-                        Some(pod) => pod.addr(netns::APP_PORT),
+                        Some(pod) if variant.redirect => pod.addr(netns::APP_PORT),
+                        Some(pod) => pod.addr(netns::INBOUND_PORT),
                         None => pair[0].addr("inbound"),
                     })
                 }],
@@ -1145,10 +1185,15 @@ async fn main() -> anyhow::Result<()> {
         )?;
         let authority = format!("{service}.bench.svc.cluster.local:8080");
         routes.push(match (&node, client_pod) {
-            // As an app dials a service: its cluster IP, intercepted.
+            // As an app dials a service: its cluster IP, intercepted
+            // (without the redirect, the outbound, as an explicit proxy).
             (Some(node), Some(client)) => Route {
                 name: variant.name.clone(),
-                connect: SocketAddr::new(IpAddr::V4(node.plan.cluster_ip(k)), netns::APP_PORT),
+                connect: if variant.redirect {
+                    SocketAddr::new(IpAddr::V4(node.plan.cluster_ip(k)), netns::APP_PORT)
+                } else {
+                    client.addr(netns::OUTBOUND_PORT)
+                },
                 authority,
                 pids: vec![pair[1].pid().unwrap_or(0), pair[0].pid().unwrap_or(0)],
                 client_ns: Some(client.ns.clone()),
@@ -1180,10 +1225,19 @@ async fn main() -> anyhow::Result<()> {
         check_counted(r, &counted, &report).await?;
         check_ran(r, &ran, &report)?;
     }
+    // Read to the nanosecond: at 1k req/s a proxy may run ~15 ticks of
+    // /proc/PID/stat in a repetition on a fast machine.
     let cpu = |r: &Route| {
         r.pids
             .iter()
-            .map(|p| tether_bench::proc_usage(*p).cpu_seconds)
+            .map(|p| tether_bench::cpu_clock(*p))
+            .collect::<Vec<_>>()
+    };
+    let spent = |r: &Route, before: &[tether_bench::CpuClock]| {
+        r.pids
+            .iter()
+            .zip(before)
+            .map(|(p, b)| tether_bench::cpu_clock(*p).seconds_since(b))
             .sum::<f64>()
     };
     let user = |r: &Route| {
@@ -1234,6 +1288,13 @@ async fn main() -> anyhow::Result<()> {
             println!(
                 "  {HAPROXY_SIDECAR}: HAProxy as sidecars, its pods behind the same redirect as \
                  Tether's, the load dialing a cluster IP"
+            );
+        }
+        if args.compare_explicit {
+            println!(
+                "  {EXPLICIT}: Tether's mTLS pair with no redirect in its pods, every hop dialled \
+                 by address as the plain HAProxy pair's are (the load dials the outbound, which \
+                 takes the service from the request's authority)"
             );
         }
     }
@@ -1307,7 +1368,7 @@ async fn main() -> anyhow::Result<()> {
                         f(&report, "p99_ms"),
                         f(&report, "p999_ms"),
                     ],
-                    cpu_per_k: per_k(cpu(r) - before, &report),
+                    cpu_per_k: per_k(spent(r, &before), &report),
                     user_per_k: per_k(user(r) - user_before, &report),
                     wait_us: (sched_after.waited_s - sched_before.waited_s) / sent * 1e6,
                     slices: sched_after
@@ -1328,7 +1389,7 @@ async fn main() -> anyhow::Result<()> {
             let perf = profile(&args, rep, r, "max")?;
             let report = load(&args, r, None, max_secs(&args))?;
             sample.max_rps.push(f(&report, "rps"));
-            sample.max_cpu_per_k.push(per_k(cpu(r) - before, &report));
+            sample.max_cpu_per_k.push(per_k(spent(r, &before), &report));
             sample.rss_mib.push(
                 r.pids
                     .iter()
@@ -2045,6 +2106,8 @@ fn report_goals(args: &Args, routes: &[Route], sums: &[Summary], h: &Summary, me
 const HAPROXY_MTLS: &str = "haproxy+mTLS";
 /// The name of the HAProxy pair run as sidecars, behind the redirect.
 const HAPROXY_SIDECAR: &str = "haproxy+redir";
+/// The name of the mTLS pair whose pods have no redirect.
+const EXPLICIT: &str = "mTLS,explicit";
 
 /// A route through a Tether pair (not direct, not an HAProxy pair).
 fn is_tether(route: &Route) -> bool {
