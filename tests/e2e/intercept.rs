@@ -1,9 +1,11 @@
-//! Transparent interception, for real, in a network namespace: `tether
+//! Transparent interception, for real, in network namespaces: `tether
 //! init` programs iptables, an unmodified `curl` dials a service's cluster
 //! IP, and the request reaches the app through both proxies over mTLS. The
 //! proxies run as their own user, so their traffic is not looped back.
-//! Needs root; installs iptables and curl with apt-get when they are
-//! missing.
+//! Both modes: `redirect` (NAT, connection tracking) in one namespace, and
+//! `tproxy` (no connection tracking) between a client pod and a server pod,
+//! both ways intercepted. Needs root; installs iptables, iproute2 and curl
+//! with apt-get when they are missing.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -21,14 +23,9 @@ fn ensure_iptables() {
     installed(&["curl"], "curl");
 }
 
-/// `tether ARGS` inside `ns`, as the proxy's user.
-async fn spawn_as_proxy(
-    scratch: &Scratch,
-    ns: &NetNs,
-    name: &str,
-    args: &[String],
-    expect: &[&str],
-) -> Process {
+/// `ip` arguments running `tether ARGS` inside `ns` as the proxy's user;
+/// with `net_raw`, keeping that one capability (`--transparent` needs it).
+fn as_proxy(ns: &NetNs, net_raw: bool, args: &[String]) -> Vec<String> {
     let mut full: Vec<String> = vec![
         "netns".into(),
         "exec".into(),
@@ -37,17 +34,64 @@ async fn spawn_as_proxy(
         format!("--reuid={PROXY_UID}"),
         format!("--regid={PROXY_UID}"),
         "--clear-groups".into(),
-        tether().display().to_string(),
     ];
+    if net_raw {
+        full.extend([
+            "--inh-caps=+net_raw".into(),
+            "--ambient-caps=+net_raw".into(),
+        ]);
+    }
+    full.push(tether().display().to_string());
     full.extend(args.iter().cloned());
+    full
+}
+
+/// `tether ARGS` inside `ns`, as the proxy's user.
+async fn spawn_as_proxy(
+    scratch: &Scratch,
+    ns: &NetNs,
+    name: &str,
+    args: &[String],
+    expect: &[&str],
+) -> Process {
+    let net_raw = args.iter().any(|a| a == "--transparent");
+    let full = as_proxy(ns, net_raw, args);
     Process::spawn(Path::new("ip"), name, &full, &scratch.log(name), expect)
         .await
         .unwrap_or_else(|e| panic!("{e:#}\n--- {name} ---\n{}", scratch.read_log(name)))
 }
 
-fn nat_rules(ns: &NetNs) -> String {
+/// Connections the kernel tracks in `ns` now.
+fn tracked(ns: &NetNs) -> u64 {
     let out = Command::new("ip")
-        .args(["netns", "exec", &ns.name, "iptables-save", "-t", "nat"])
+        .args([
+            "netns",
+            "exec",
+            &ns.name,
+            "cat",
+            "/proc/sys/net/netfilter/nf_conntrack_count",
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| {
+            panic!(
+                "no connection count in {}: {}",
+                ns.name,
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+}
+
+fn nat_rules(ns: &NetNs) -> String {
+    table_rules(ns, "nat")
+}
+
+fn table_rules(ns: &NetNs, table: &str) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "iptables-save", "-t", table])
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout)
@@ -223,6 +267,8 @@ async fn curl_to_a_cluster_ip_is_intercepted_and_meshed() {
     );
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     assert!(out.contains("tether-demo-replica: web-0"), "{out}");
+    // NAT needs the kernel to track connections: what tproxy mode spares.
+    assert!(tracked(&ns) > 0, "the redirect tracked no connection");
     // Through both proxies, over mTLS: the app sees the client's verified identity.
     assert!(
         out.contains(&format!("\"client_id\":\"{client_id}\"")),
@@ -285,5 +331,264 @@ async fn curl_to_a_cluster_ip_is_intercepted_and_meshed() {
     // The meshed service still works under mandatory TLS.
     let (ok, out) = curl(&ns, "http://10.96.0.10:80/");
     assert!(ok && out.contains("tether-demo-replica: web-0"), "{out}");
+    drop((control, outside));
+}
+
+/// `tether init ARGS` in `ns`, with what it printed.
+fn init_in(ns: &NetNs, args: &[&str]) -> String {
+    let mut full = vec![
+        "netns",
+        "exec",
+        &ns.name,
+        tether().to_str().unwrap(),
+        "init",
+    ];
+    full.extend(args);
+    let out = Command::new("ip").args(&full).output().unwrap();
+    assert!(
+        out.status.success(),
+        "tether init {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn divert_rules(ns: &NetNs) -> String {
+    let rules = Command::new("ip")
+        .args(["netns", "exec", &ns.name, "ip", "rule", "list"])
+        .output()
+        .unwrap();
+    format!(
+        "{}\n{}",
+        table_rules(ns, "mangle"),
+        String::from_utf8_lossy(&rules.stdout)
+    )
+}
+
+#[tokio::test]
+async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
+    ensure_iptables();
+    let net = NEXT_NET.fetch_add(1, Ordering::SeqCst);
+    let (client_pod, server_pod) = (NetNs::new(net, 0), NetNs::new(net, 1));
+    let scratch = Scratch::new();
+    std::fs::set_permissions(scratch.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let ca = scratch.identity_init("ca");
+    scratch.write(
+        "web.yaml",
+        "kind: Service\nname: web\nnamespace: test\nports: [{port: 80}]\ncluster_ip: 10.96.0.10\n",
+    );
+    let (c, s) = (client_pod.ip.to_string(), server_pod.ip.to_string());
+    // The control plane in the server pod, as root (not the proxy's user).
+    let control = spawn_in(
+        &scratch,
+        &server_pod,
+        "control",
+        &[
+            "control",
+            "--registry",
+            &scratch.registry().display().to_string(),
+            "--grpc",
+            &format!("{s}:8086"),
+            "--admin",
+            &format!("{s}:0"),
+            "--identity",
+            &ca.display().to_string(),
+        ]
+        .map(String::from),
+        &["grpc", "admin"],
+    )
+    .await;
+    let _app = spawn_in(
+        &scratch,
+        &server_pod,
+        "web-0",
+        &["demo-app", "--listen", "0.0.0.0:8080", "--replica", "web-0"].map(String::from),
+        &["http"],
+    )
+    .await;
+    // Outside the mesh: on the node.
+    let node_ip = format!("{}.1", s.rsplit_once('.').unwrap().0);
+    let outside = Process::spawn(
+        &tether(),
+        "outside",
+        &[
+            "demo-app",
+            "--listen",
+            &format!("{node_ip}:9000"),
+            "--replica",
+            "outside",
+        ]
+        .map(String::from),
+        &scratch.log("outside"),
+        &["http"],
+    )
+    .await
+    .unwrap();
+
+    // Without the capability, --transparent says what it needs.
+    let refused = Command::new("ip")
+        .args(as_proxy(
+            &client_pod,
+            false,
+            &[
+                "proxy",
+                "--transparent",
+                "--control",
+                &format!("{s}:8086"),
+                "--insecure-control-plane",
+            ]
+            .map(String::from),
+        ))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("CAP_NET_RAW"),
+        "{stderr}"
+    );
+
+    let proxy = |pod: &str, identity: &str, app: bool| {
+        let mut a: Vec<String> = [
+            "proxy",
+            "--transparent",
+            "--control",
+            &format!("{s}:8086"),
+            "--outbound",
+            "127.0.0.1:4140",
+            "--admin",
+            &format!("{pod}:4191"),
+        ]
+        .map(String::from)
+        .to_vec();
+        if app {
+            a.extend(["--app", "127.0.0.1:8080", "--inbound", "0.0.0.0:4143"].map(String::from));
+        }
+        a.extend(scratch.identity_args(&ca, identity, &ca));
+        a
+    };
+    let server_id = "web.test.serviceaccount.identity.cluster.local";
+    let client_id = "client.test.serviceaccount.identity.cluster.local";
+    let server = spawn_as_proxy(
+        &scratch,
+        &server_pod,
+        "server",
+        &proxy(&s, server_id, true),
+        &["inbound", "admin"],
+    )
+    .await;
+    let client = spawn_as_proxy(
+        &scratch,
+        &client_pod,
+        "client",
+        &proxy(&c, client_id, false),
+        &["outbound", "admin"],
+    )
+    .await;
+    // The endpoint is the app's own port, as a pod's is: the server pod's
+    // interception hands it to the inbound.
+    scratch.write(
+        "web-0.yaml",
+        &format!("kind: Endpoints\nservice: web\nnamespace: test\nendpoints: [{{address: \"{s}:8080\", identity: {server_id}}}]\n"),
+    );
+    for admin in [client.addr("admin"), server.addr("admin")] {
+        assert!(
+            eventually(std::time::Duration::from_secs(15), || async {
+                ready_body(admin).await.0 == 200
+            })
+            .await
+        );
+    }
+
+    // Both pods intercepted both ways; the control plane's port and the
+    // admin port are left alone. Twice: the same rules either way.
+    let args = [
+        "--mode",
+        "tproxy",
+        "--proxy-uid",
+        PROXY_UID,
+        "--skip-inbound-ports",
+        "4191,8086",
+    ];
+    for pod in [&client_pod, &server_pod] {
+        init_in(pod, &args);
+        let first = divert_rules(pod);
+        init_in(pod, &args);
+        assert_eq!(first, divert_rules(pod), "tether init is not idempotent");
+        assert_eq!(
+            first.matches("fwmark 0x2000/0x2000 lookup 8192").count(),
+            1,
+            "{first}"
+        );
+        // Every table there is (`-t nat` would show one that is not).
+        let tables = Command::new("ip")
+            .args(["netns", "exec", &pod.name, "iptables-save"])
+            .output()
+            .unwrap();
+        let tables = String::from_utf8_lossy(&tables.stdout);
+        assert!(!tables.contains("*nat"), "tproxy mode used NAT:\n{tables}");
+    }
+
+    // An unmodified client dials the service's cluster IP: diverted to the
+    // client proxy, and from it to the server pod's app port, diverted to
+    // the inbound.
+    let (ok, out) = curl(&client_pod, "http://10.96.0.10:80/hello");
+    assert!(
+        ok,
+        "curl failed:\n{out}\n--- client ---\n{}\n--- server ---\n{}",
+        scratch.read_log("client"),
+        scratch.read_log("server")
+    );
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    assert!(out.contains("tether-demo-replica: web-0"), "{out}");
+    assert!(
+        out.contains(&format!("\"client_id\":\"{client_id}\"")),
+        "not over mTLS through both proxies:\n{out}"
+    );
+    for (admin, direction) in [
+        (client.addr("admin"), "outbound"),
+        (server.addr("admin"), "inbound"),
+    ] {
+        let m = metrics(admin).await;
+        assert_eq!(
+            metric_value(
+                &m,
+                "tether_proxy_requests_total",
+                &[("direction", direction), ("tls", "true")]
+            ),
+            1.0,
+            "exactly one {direction} request (no loop, nothing around the proxy):\n{m}"
+        );
+    }
+    // A destination outside the mesh is passed through as opaque TCP.
+    let (ok, out) = curl(&client_pod, &format!("http://{node_ip}:9000/"));
+    assert!(ok && out.contains("tether-demo-replica: outside"), "{out}");
+    // A port left alone is reached directly, and its answers come back
+    // (the kernel's mark on what it accepts from outside).
+    let (ok, out) = curl(&server_pod, &format!("http://{s}:4191/ready"));
+    assert!(ok && out.starts_with("HTTP/1.1 200"), "{out}");
+    let (ok, out) = curl(&client_pod, &format!("http://{s}:4191/ready"));
+    assert!(ok && out.starts_with("HTTP/1.1 200"), "{out}");
+    // And no connection was tracked, in either pod.
+    for pod in [&client_pod, &server_pod] {
+        assert_eq!(tracked(pod), 0, "connections tracked in {}", pod.name);
+    }
+
+    // Switching back to redirect mode leaves none of tproxy mode's rules.
+    init_in(
+        &client_pod,
+        &[
+            "--mode",
+            "redirect",
+            "--proxy-uid",
+            PROXY_UID,
+            "--outbound-only",
+        ],
+    );
+    let left = divert_rules(&client_pod);
+    assert!(
+        !left.contains("TETHER_DIVERT") && !left.contains("fwmark 0x2000"),
+        "{left}"
+    );
     drop((control, outside));
 }

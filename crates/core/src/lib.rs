@@ -13,6 +13,8 @@
 //! - [`backoff`]: jittered exponential backoff, calculated (callers sleep).
 //! - [`log_limit`]: at most one log line per interval for conditions a
 //!   client can repeat at will.
+//! - [`marks`]: the packet marks `tether init --mode tproxy` and the proxy
+//!   agree on.
 //! - [`truncate`]: bounded echoes of untrusted input (a prefix plus the
 //!   length), for every log line, error and operator output that quotes it.
 //! - [`yaml`]: YAML anchors and aliases refused before parsing (alias bombs).
@@ -27,6 +29,7 @@ pub mod authority;
 pub mod backoff;
 pub mod file;
 pub mod log_limit;
+pub mod marks;
 pub mod policy;
 pub mod prom;
 pub mod registry;

@@ -28,6 +28,12 @@ pub struct ProxyArgs {
     /// Inbound listener: peer proxies connect here (runs when --app is set).
     #[arg(long, default_value = "0.0.0.0:4143")]
     inbound: SocketAddr,
+    /// The outbound and inbound listeners are transparent (IP_TRANSPARENT):
+    /// they accept the connections `tether init --mode tproxy` diverts to
+    /// them, each with its original destination as its own address. Needs
+    /// CAP_NET_RAW or CAP_NET_ADMIN (docs/interception.md).
+    #[arg(long, env = "TETHER_PROXY_TRANSPARENT")]
+    transparent: bool,
     /// The local app's address, where inbound traffic goes.
     #[arg(long)]
     app: Option<SocketAddr>,
@@ -129,6 +135,7 @@ impl ProxyArgs {
                 discovery,
             ),
             outbound_listen: self.outbound,
+            transparent: self.transparent,
             upstreams: self.upstream,
             require_discovery: self.require_discovery,
             outbound,

@@ -1,15 +1,50 @@
-//! Transparent interception: connections that iptables redirected to the
-//! outbound listener (`tether init`) carry their original destination,
-//! which the kernel keeps for `getsockopt(SO_ORIGINAL_DST)`.
+//! Transparent interception. Connections `tether init` sends to the
+//! proxy's listeners carry the destination the client dialled:
+//! - redirected (`--mode redirect`, iptables NAT): the kernel keeps it for
+//!   `getsockopt(SO_ORIGINAL_DST)`, and the socket's own address is the
+//!   listener's;
+//! - diverted (`--mode tproxy`, iptables TPROXY, no connection tracking):
+//!   the socket's own address *is* the destination, which a listener can
+//!   accept only when it is transparent ([`bind_transparent`]). With no
+//!   connection tracking, `tether init` tells the proxy's packets from the
+//!   app's by their mark: every data-path socket the proxy then opens or
+//!   accepts carries [`PROXY_OWN_MARK`] ([`mark_own_sockets`]).
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use tokio::net::TcpStream;
+use tether_core::marks::PROXY_OWN_MARK;
+
+use tether_admin::{announce, BindError};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 /// The destination the client dialled, if the connection was redirected
-/// (IPv4 only, as `iptables` redirects).
-pub fn original_dst(stream: &TcpStream) -> Option<SocketAddr> {
+/// or diverted to the listener at `listening` (IPv4 only, as `tether init`
+/// programs iptables only).
+pub fn original_dst(stream: &TcpStream, listening: SocketAddr) -> Option<SocketAddr> {
+    let local = stream.local_addr().ok()?;
+    if let Some(dst) = redirected_dst(stream) {
+        // Not redirected: the original destination is the listener itself.
+        return (dst != local).then_some(dst);
+    }
+    diverted(local, listening).then_some(local)
+}
+
+/// Whether a connection accepted at `local` by the listener bound to
+/// `listening` was diverted to it: only a transparent listener accepts
+/// connections for another address. A listener on 0.0.0.0 accepts any of
+/// the host's addresses on its port, so there only another port tells:
+/// a connection diverted from a remote address on the listener's own port
+/// is then served as if dialled explicitly, never forwarded back to the
+/// proxy itself.
+fn diverted(local: SocketAddr, listening: SocketAddr) -> bool {
+    local.port() != listening.port()
+        || (!listening.ip().is_unspecified() && local.ip() != listening.ip())
+}
+
+/// `SO_ORIGINAL_DST`: set by the NAT of a redirect, absent otherwise.
+fn redirected_dst(stream: &TcpStream) -> Option<SocketAddr> {
     // SAFETY: sockaddr_in is plain integers, for which all-zero bytes are a
     // valid value.
     let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
@@ -29,7 +64,154 @@ pub fn original_dst(stream: &TcpStream) -> Option<SocketAddr> {
         return None;
     }
     let ip = Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr));
-    let dst = SocketAddr::V4(SocketAddrV4::new(ip, u16::from_be(addr.sin_port)));
-    // Not redirected: the original destination is the listener itself.
-    (Some(dst) != stream.local_addr().ok()).then_some(dst)
+    Some(SocketAddr::V4(SocketAddrV4::new(
+        ip,
+        u16::from_be(addr.sin_port),
+    )))
+}
+
+/// Whether the sockets the proxy connects from carry [`PROXY_OWN_MARK`]:
+/// set once, at start, in transparent mode, for the whole process (every
+/// data-path connection goes through [`crate::tls::connect_tcp`]).
+static MARK_OWN_SOCKETS: AtomicBool = AtomicBool::new(false);
+
+/// From now on, every connection the data path opens carries
+/// [`PROXY_OWN_MARK`] (transparent mode).
+pub fn mark_own_sockets() {
+    MARK_OWN_SOCKETS.store(true, Ordering::Relaxed);
+}
+
+/// The mark outgoing connections carry, if any.
+pub(crate) fn own_mark() -> Option<u32> {
+    MARK_OWN_SOCKETS
+        .load(Ordering::Relaxed)
+        .then_some(PROXY_OWN_MARK)
+}
+
+/// Sets an integer socket option; an error names what needs a capability.
+fn set_option(
+    fd: RawFd,
+    level: libc::c_int,
+    option: libc::c_int,
+    value: libc::c_int,
+) -> std::io::Result<()> {
+    // SAFETY: `fd` is an open socket its caller owns for the call, and the
+    // option's value is a c_int read for the call, whose size is passed.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            option,
+            &value as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    Err(if e.kind() == std::io::ErrorKind::PermissionDenied {
+        let name = match option {
+            libc::SO_MARK => "SO_MARK",
+            _ => "IP_TRANSPARENT",
+        };
+        std::io::Error::new(
+            e.kind(),
+            format!("--transparent: {name} needs CAP_NET_RAW or CAP_NET_ADMIN ({e})"),
+        )
+    } else {
+        e
+    })
+}
+
+/// Marks `socket` as the proxy's own (`SO_MARK`).
+pub(crate) fn mark(socket: &TcpSocket, mark: u32) -> std::io::Result<()> {
+    set_option(
+        socket.as_raw_fd(),
+        libc::SOL_SOCKET,
+        libc::SO_MARK,
+        mark as libc::c_int,
+    )
+}
+
+/// Binds a transparent listener (`IP_TRANSPARENT`), which accepts the
+/// connections iptables' TPROXY diverts to it whatever address they were
+/// for, and announces it as [`tether_admin::bind`] does. It and the
+/// connections it accepts carry [`PROXY_OWN_MARK`]. Setting either option
+/// needs `CAP_NET_RAW` or `CAP_NET_ADMIN`; without them the error says so.
+pub async fn bind_transparent(
+    what: &'static str,
+    addr: SocketAddr,
+) -> Result<TcpListener, BindError> {
+    let err = |source| BindError { what, addr, source };
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4(),
+        SocketAddr::V6(_) => TcpSocket::new_v6(),
+    }
+    .map_err(err)?;
+    socket.set_reuseaddr(true).map_err(err)?;
+    let (level, option) = match addr {
+        SocketAddr::V4(_) => (libc::SOL_IP, libc::IP_TRANSPARENT),
+        SocketAddr::V6(_) => (libc::SOL_IPV6, libc::IPV6_TRANSPARENT),
+    };
+    set_option(socket.as_raw_fd(), level, option, 1).map_err(err)?;
+    // Accepted connections inherit it, and so do their handshakes' replies
+    // and the resets the listener sends.
+    mark(&socket, PROXY_OWN_MARK).map_err(err)?;
+    socket.bind(addr).map_err(err)?;
+    let listener = socket.listen(1024).map_err(err)?;
+    announce(what, listener.local_addr().unwrap_or(addr));
+    Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn only_another_address_or_port_than_the_listener_s_is_diverted() {
+        let on_loopback = a("127.0.0.1:4140");
+        assert!(diverted(a("10.96.0.10:80"), on_loopback));
+        assert!(diverted(a("10.96.0.10:4140"), on_loopback));
+        assert!(!diverted(on_loopback, on_loopback));
+        // On every address: any of the host's addresses on its own port
+        // may be a client dialling it, and is served as such.
+        let anywhere = a("0.0.0.0:4143");
+        assert!(!diverted(a("10.1.2.3:4143"), anywhere));
+        assert!(diverted(a("10.1.2.3:8080"), anywhere));
+    }
+
+    #[tokio::test]
+    async fn a_connection_dialled_to_the_listener_has_no_original_destination() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = listener.local_addr().unwrap();
+        let _client = TcpStream::connect(at).await.unwrap();
+        let (stream, _) = listener.accept().await.unwrap();
+        assert_eq!(original_dst(&stream, at), None);
+    }
+
+    #[tokio::test]
+    async fn a_transparent_listener_needs_a_capability_or_binds() {
+        match bind_transparent("outbound", a("127.0.0.1:0")).await {
+            // As root (CI): bound, and plain connections still work.
+            Ok(listener) => {
+                let at = listener.local_addr().unwrap();
+                let _client = TcpStream::connect(at).await.unwrap();
+                let (stream, _) = listener.accept().await.unwrap();
+                assert_eq!(original_dst(&stream, at), None);
+            }
+            Err(e) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("binding outbound listener")
+                        && text.contains("CAP_NET_RAW or CAP_NET_ADMIN"),
+                    "{text}"
+                );
+            }
+        }
+    }
 }

@@ -20,6 +20,9 @@ pub struct ProxyConfig {
     pub bootstrap: BootstrapConfig,
     /// Where the outbound listener binds.
     pub outbound_listen: SocketAddr,
+    /// The outbound and inbound listeners are transparent (`IP_TRANSPARENT`),
+    /// for `tether init --mode tproxy`.
+    pub transparent: bool,
     /// Local listeners pinned to one service each: (listen address, authority).
     pub upstreams: Vec<(SocketAddr, String)>,
     /// Authorities the control plane must have answered before ready.
@@ -36,9 +39,19 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
     {
         return Err(ProxyStartError::ForwardWithMandatoryTls);
     }
-    let outbound_listener = bind("outbound", config.outbound_listen).await?;
+    if config.transparent {
+        crate::intercept::mark_own_sockets();
+    }
+    let listen = |what, addr| async move {
+        if config.transparent {
+            crate::intercept::bind_transparent(what, addr).await
+        } else {
+            bind(what, addr).await
+        }
+    };
+    let outbound_listener = listen("outbound", config.outbound_listen).await?;
     let inbound_listener = match &config.inbound {
-        Some(inbound) => Some(bind("inbound", inbound.listen).await?),
+        Some(inbound) => Some(listen("inbound", inbound.listen).await?),
         None => None,
     };
     let mut upstream_listeners = Vec::new();

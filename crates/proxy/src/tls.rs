@@ -203,7 +203,22 @@ pub async fn connect_tcp(
     addr: std::net::SocketAddr,
     timeout: std::time::Duration,
 ) -> Result<tokio::net::TcpStream, String> {
-    let stream = tokio::time::timeout(timeout, tokio::net::TcpStream::connect(addr))
+    let connect = async {
+        match crate::intercept::own_mark() {
+            // Transparent mode: marked as the proxy's own, so `tether init`'s
+            // rules leave its packets alone, even after it is closed.
+            Some(mark) => {
+                let socket = match addr {
+                    std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+                    std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+                }?;
+                crate::intercept::mark(&socket, mark)?;
+                socket.connect(addr).await
+            }
+            None => tokio::net::TcpStream::connect(addr).await,
+        }
+    };
+    let stream = tokio::time::timeout(timeout, connect)
         .await
         .map_err(|_| format!("connect timed out after {timeout:?}"))?
         .map_err(|e| e.to_string())?;

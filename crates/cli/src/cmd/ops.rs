@@ -221,6 +221,13 @@ impl InjectArgs {
     }
 }
 
+/// `tether init --mode`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum InterceptionMode {
+    Redirect,
+    Tproxy,
+}
+
 /// Program iptables for transparent interception (what a sidecar's init container does).
 #[derive(clap::Args)]
 pub struct InitArgs {
@@ -242,9 +249,18 @@ pub struct InitArgs {
     /// Redirect only outbound traffic.
     #[arg(long)]
     outbound_only: bool,
+    /// How connections reach the proxy: redirect (NAT; the kernel tracks
+    /// every connection in the pod) or tproxy (TPROXY and a routing rule,
+    /// no connection tracking; the proxy must run with --transparent,
+    /// which needs CAP_NET_RAW). See docs/interception.md.
+    #[arg(long, value_enum, default_value = "redirect")]
+    mode: InterceptionMode,
     /// The iptables command to run (e.g. iptables-legacy).
     #[arg(long, default_value = "iptables")]
     iptables: String,
+    /// The ip command (iproute2) tproxy mode's routing rule is set with.
+    #[arg(long, default_value = "ip")]
+    ip: String,
     /// Print the iptables commands without running them.
     #[arg(long)]
     dry_run: bool,
@@ -254,6 +270,11 @@ impl InitArgs {
     pub fn into_config(self) -> tether_ops::init::InitOptions {
         tether_ops::init::InitOptions {
             iptables: self.iptables,
+            ip: self.ip,
+            mode: match self.mode {
+                InterceptionMode::Redirect => tether_ops::init::Mode::Redirect,
+                InterceptionMode::Tproxy => tether_ops::init::Mode::Tproxy,
+            },
             proxy_uid: self.proxy_uid,
             outbound_port: self.outbound_port,
             inbound_port: self.inbound_port,

@@ -30,6 +30,12 @@ impl Outbound {
         shutdown: Shutdown,
         limits: ServeLimits,
     ) {
+        // Where a connection's own address differs from it, TPROXY
+        // diverted the connection here (see `intercept`).
+        let Ok(listening) = listener.local_addr() else {
+            tracing::error!("outbound listener has no address; not served");
+            return;
+        };
         accept_loop(
             "outbound",
             listener,
@@ -39,7 +45,7 @@ impl Outbound {
                 let this = self.clone();
                 async move {
                     let _open = this.metrics.connection("outbound");
-                    if let Some(dst) = crate::intercept::original_dst(&stream) {
+                    if let Some(dst) = crate::intercept::original_dst(&stream, listening) {
                         return this.serve_intercepted(stream, dst, conn).await;
                     }
                     let svc = move |req| {
@@ -53,7 +59,7 @@ impl Outbound {
         .await
     }
 
-    /// A connection iptables redirected: it is for whatever `dst` is — a
+    /// A connection iptables redirected or diverted: it is for whatever `dst` is — a
     /// service's cluster IP, a pod's IP, or something outside the mesh,
     /// which is passed through as opaque TCP (never under mandatory TLS).
     async fn serve_intercepted(
