@@ -81,15 +81,22 @@ impl Pod {
     }
 
     /// `ip` arguments that run `program` in the pod as the proxy's user
-    /// (`setpriv` execs it too).
-    pub fn exec_as_proxy(&self, program: &str) -> Vec<String> {
+    /// (`setpriv` execs it too); with `net_raw`, keeping the one
+    /// capability a transparent proxy needs.
+    pub fn exec_as_proxy(&self, program: &str, net_raw: bool) -> Vec<String> {
         let mut v = self.exec("setpriv");
         v.extend([
             format!("--reuid={PROXY_UID}"),
             format!("--regid={PROXY_UID}"),
             "--clear-groups".to_string(),
-            program.to_string(),
         ]);
+        if net_raw {
+            v.extend([
+                "--inh-caps=+net_raw".into(),
+                "--ambient-caps=+net_raw".into(),
+            ]);
+        }
+        v.push(program.to_string());
         v
     }
 }
@@ -422,10 +429,19 @@ fn add_pod(pod: &Pod) -> anyhow::Result<()> {
 /// `tether init` in `pod`: outbound to the proxy's outbound port, inbound
 /// to its inbound port, the admin port and `control_port` (when given)
 /// skipped.
-pub fn intercept(tether: &Path, pod: &Pod, control_port: Option<u16>) -> anyhow::Result<()> {
+/// `tproxy` picks `tether init --mode tproxy` (no connection tracking).
+pub fn intercept(
+    tether: &Path,
+    pod: &Pod,
+    control_port: Option<u16>,
+    tproxy: bool,
+) -> anyhow::Result<()> {
     let mut args: Vec<String> = vec!["ip".into()];
     args.extend(pod.exec(&tether.display().to_string()));
     args.extend(init_args(control_port));
+    if tproxy {
+        args.extend(["--mode".into(), "tproxy".into()]);
+    }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     run(&args).map(|_| ())
 }

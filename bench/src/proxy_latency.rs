@@ -20,7 +20,7 @@
 //!          [--proxy-arg ARG]... [--compare-threads N]... [--compare OLD_TETHER_BINARY]...
 //!          [--perf DIR] [--syscalls] [--allocs] [--compare-h1] [--haproxy-mtls]
 //!          [--tether-proxy PATH] [--protocol http1|http2|grpc]
-//!          [--netns [--haproxy-sidecar] [--compare-explicit]]
+//!          [--netns [--haproxy-sidecar] [--compare-explicit] [--compare-tproxy]]
 //!          [--callgrind DIR] [--request-ids]
 //!
 //! The Tether pairs run `tether-proxy`, the proxy-only binary (`--tether-proxy
@@ -89,6 +89,12 @@
 //! is like for like; against the mTLS pair, it is what the redirect costs
 //! Tether's pods.
 //!
+//! `--compare-tproxy` (with `--netns`) adds a Tether mTLS pair whose pods
+//! are intercepted by `tether init --mode tproxy` rather than NAT: no
+//! connection tracking in its pods, the proxies `--transparent` (and given
+//! `CAP_NET_RAW`). Against the `tether+mTLS` pair, what the redirect's
+//! connection tracking and NAT cost.
+//!
 //! `--callgrind DIR` runs every proxy under callgrind and prints the
 //! user-space instructions each executes per request (first repetition's
 //! open-loop runs): a figure the machine's load does not move, for
@@ -148,6 +154,10 @@ struct Args {
     /// proxy's inbound port, as the plain HAProxy pair is dialled
     /// (--netns only).
     compare_explicit: bool,
+    /// Add an mTLS pair whose pods are intercepted by `tether init --mode
+    /// tproxy` (no connection tracking), the proxies `--transparent`
+    /// (--netns only).
+    compare_tproxy: bool,
     /// What the load speaks to the outbound: `http1`, `http2` or `grpc`.
     protocol: String,
     /// Every route in its own pair of pod network namespaces, the Tether
@@ -173,6 +183,9 @@ struct Variant {
     /// With --netns, its pods behind `tether init`'s redirect; without,
     /// every hop is dialled by address, as the plain HAProxy pair's are.
     redirect: bool,
+    /// The redirect is `tether init --mode tproxy`'s (no connection
+    /// tracking), the proxies `--transparent`.
+    tproxy: bool,
 }
 
 fn variants(args: &Args) -> Vec<Variant> {
@@ -188,6 +201,7 @@ fn variants(args: &Args) -> Vec<Variant> {
         proxy_args: args.proxy_args.iter().chain(extra).cloned().collect(),
         h1_between: false,
         redirect: true,
+        tproxy: false,
     };
     let mut out = vec![
         v("tether", &own, false, &[]),
@@ -233,6 +247,12 @@ fn variants(args: &Args) -> Vec<Variant> {
             ..v(EXPLICIT, &own, true, &[])
         });
     }
+    if args.compare_tproxy {
+        out.push(Variant {
+            tproxy: true,
+            ..v(TPROXY, &own, true, &["--transparent".into()])
+        });
+    }
     out
 }
 
@@ -254,7 +274,8 @@ usage: proxy-latency [--tether PATH] [--tether-proxy PATH] [--rates 1000,5000] [
                      [--reps 3] [--concurrency 32] [--proxy-arg ARG]... [--compare BINARY]...
                      [--compare-threads N]... [--compare-h1] [--haproxy-mtls] [--syscalls]
                      [--allocs] [--perf DIR] [--callgrind DIR] [--protocol http1|http2|grpc]
-                     [--netns [--haproxy-sidecar] [--compare-explicit]] [--request-ids]
+                     [--netns [--haproxy-sidecar] [--compare-explicit] [--compare-tproxy]]
+                     [--request-ids]
 The flags and what each figure means: docs/benchmarks.md.";
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -275,6 +296,7 @@ fn parse_args() -> anyhow::Result<Args> {
         haproxy_mtls: false,
         haproxy_sidecar: false,
         compare_explicit: false,
+        compare_tproxy: false,
         protocol: "http1".to_string(),
         netns: false,
         callgrind: None,
@@ -308,6 +330,10 @@ fn parse_args() -> anyhow::Result<Args> {
         }
         if flag == "--compare-explicit" {
             args.compare_explicit = true;
+            continue;
+        }
+        if flag == "--compare-tproxy" {
+            args.compare_tproxy = true;
             continue;
         }
         if flag == "--netns" {
@@ -361,6 +387,9 @@ fn parse_args() -> anyhow::Result<Args> {
     }
     if args.haproxy_sidecar && !args.netns {
         bail!("--haproxy-sidecar runs HAProxy behind a pod's redirect: add --netns");
+    }
+    if args.compare_tproxy && !args.netns {
+        bail!("--compare-tproxy intercepts a pair's pods: add --netns");
     }
     if args.compare_explicit && !args.netns {
         bail!("--compare-explicit leaves a pair's pods without the redirect: add --netns (over loopback no pair has one)");
@@ -784,7 +813,7 @@ async fn haproxy_pair(
         let child = match (pod, sidecar) {
             // As the proxies' user, whose connections the redirect leaves alone.
             (Some(pod), true) => {
-                let mut full = pod.exec_as_proxy(&program.display().to_string());
+                let mut full = pod.exec_as_proxy(&program.display().to_string(), false);
                 full.extend(argv);
                 let full: Vec<&str> = full.iter().map(String::as_str).collect();
                 spawn_peer("ip", &full, &log, None)?
@@ -974,7 +1003,7 @@ async fn main() -> anyhow::Result<()> {
             // app port, which that pod's redirect sends to the inbound port.
             (Some(node), Some((client, server)), Haproxy::Sidecar) => {
                 for pod in [&server, &client] {
-                    netns::intercept(&args.tether, pod, None)?;
+                    netns::intercept(&args.tether, pod, None, false)?;
                 }
                 (
                     loopback(netns::OUTBOUND_PORT),
@@ -1057,7 +1086,8 @@ async fn main() -> anyhow::Result<()> {
         )?;
         if let Some((client, server)) = pod_pair.as_ref().filter(|_| variant.redirect) {
             for pod in [server, client] {
-                netns::intercept(&args.tether, pod, Some(control.addr("grpc").port()))?;
+                let control_port = Some(control.addr("grpc").port());
+                netns::intercept(&args.tether, pod, control_port, variant.tproxy)?;
             }
         }
         let server_id = tether_identity::identity_name(&service, "bench", "cluster.local");
@@ -1143,7 +1173,7 @@ async fn main() -> anyhow::Result<()> {
             // the pid is the proxy's (checked below).
             let (program, argv) = match (pod, &args.callgrind) {
                 (Some(pod), _) => {
-                    let mut full = pod.exec_as_proxy(&exe.display().to_string());
+                    let mut full = pod.exec_as_proxy(&exe.display().to_string(), variant.tproxy);
                     full.extend(argv);
                     (PathBuf::from("ip"), full)
                 }
@@ -1288,6 +1318,13 @@ async fn main() -> anyhow::Result<()> {
             println!(
                 "  {HAPROXY_SIDECAR}: HAProxy as sidecars, its pods behind the same redirect as \
                  Tether's, the load dialing a cluster IP"
+            );
+        }
+        if args.compare_tproxy {
+            println!(
+                "  {TPROXY}: Tether's mTLS pair with its pods intercepted by `tether init --mode \
+                 tproxy` (TPROXY and marks, no NAT or connection tracking), the proxies \
+                 --transparent"
             );
         }
         if args.compare_explicit {
@@ -2108,6 +2145,8 @@ const HAPROXY_MTLS: &str = "haproxy+mTLS";
 const HAPROXY_SIDECAR: &str = "haproxy+redir";
 /// The name of the mTLS pair whose pods have no redirect.
 const EXPLICIT: &str = "mTLS,explicit";
+/// The name of the mTLS pair intercepted without connection tracking.
+const TPROXY: &str = "mTLS,tproxy";
 
 /// A route through a Tether pair (not direct, not an HAProxy pair).
 fn is_tether(route: &Route) -> bool {
