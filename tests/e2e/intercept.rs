@@ -410,7 +410,7 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
     // Outside the mesh: on the node.
     let node_ip = format!("{}.1", s.rsplit_once('.').unwrap().0);
     let outside = Process::spawn(
-        &tether(),
+        tether(),
         "outside",
         &[
             "demo-app",
