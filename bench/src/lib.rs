@@ -386,13 +386,21 @@ mod tests {
         // A thread that exited took what it ran since with it: ticks.
         let after = clock(&[(1, 3_500)], 0.12);
         assert!((after.seconds_since(&before) - 0.02).abs() < 1e-12);
-        // This process, busy for a moment, is read to well under a tick.
-        let start = cpu_clock(std::process::id());
+        // A busy process of one thread (not this one, whose other test
+        // threads come and go) is read to well under a tick.
+        let mut busy = std::process::Command::new("yes")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let start = cpu_clock(busy.id());
         let t = std::time::Instant::now();
-        while t.elapsed() < std::time::Duration::from_millis(3) {
-            std::hint::black_box(t.elapsed());
+        let mut ran = 0.0;
+        while ran == 0.0 && t.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            ran = cpu_clock(busy.id()).seconds_since(&start);
         }
-        let ran = cpu_clock(std::process::id()).seconds_since(&start);
+        let _ = busy.kill();
+        let _ = busy.wait();
         assert!(ran > 0.0 && ran < 1.0, "{ran}");
         assert_eq!(cpu_clock(u32::MAX).seconds_since(&cpu_clock(u32::MAX)), 0.0);
     }
