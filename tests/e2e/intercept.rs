@@ -399,6 +399,14 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
         &["grpc", "admin"],
     )
     .await;
+    let _side = spawn_in(
+        &scratch,
+        &server_pod,
+        "side",
+        &["demo-app", "--listen", "0.0.0.0:9100", "--replica", "side"].map(String::from),
+        &["http"],
+    )
+    .await;
     let _app = spawn_in(
         &scratch,
         &server_pod,
@@ -425,6 +433,39 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
     )
     .await
     .unwrap();
+
+    // Both pods intercepted both ways, before anything connects (a
+    // connection made before would lose its answers); the control plane's
+    // port, the admin port and a port the app serves itself are left
+    // alone. Twice: the same rules either way.
+    let args = [
+        "--mode",
+        "tproxy",
+        "--proxy-uid",
+        PROXY_UID,
+        "--skip-inbound-ports",
+        "4191,8086,9100",
+        "--skip-outbound-ports",
+        "8086",
+    ];
+    for pod in [&client_pod, &server_pod] {
+        init_in(pod, &args);
+        let first = divert_rules(pod);
+        init_in(pod, &args);
+        assert_eq!(first, divert_rules(pod), "tether init is not idempotent");
+        assert_eq!(
+            first.matches("fwmark 0x2000/0x2000 lookup 8192").count(),
+            1,
+            "{first}"
+        );
+        // Every table there is (`-t nat` would show one that is not).
+        let tables = Command::new("ip")
+            .args(["netns", "exec", &pod.name, "iptables-save"])
+            .output()
+            .unwrap();
+        let tables = String::from_utf8_lossy(&tables.stdout);
+        assert!(!tables.contains("*nat"), "tproxy mode used NAT:\n{tables}");
+    }
 
     // Without the capability, --transparent says what it needs.
     let refused = Command::new("ip")
@@ -500,35 +541,6 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
         );
     }
 
-    // Both pods intercepted both ways; the control plane's port and the
-    // admin port are left alone. Twice: the same rules either way.
-    let args = [
-        "--mode",
-        "tproxy",
-        "--proxy-uid",
-        PROXY_UID,
-        "--skip-inbound-ports",
-        "4191,8086",
-    ];
-    for pod in [&client_pod, &server_pod] {
-        init_in(pod, &args);
-        let first = divert_rules(pod);
-        init_in(pod, &args);
-        assert_eq!(first, divert_rules(pod), "tether init is not idempotent");
-        assert_eq!(
-            first.matches("fwmark 0x2000/0x2000 lookup 8192").count(),
-            1,
-            "{first}"
-        );
-        // Every table there is (`-t nat` would show one that is not).
-        let tables = Command::new("ip")
-            .args(["netns", "exec", &pod.name, "iptables-save"])
-            .output()
-            .unwrap();
-        let tables = String::from_utf8_lossy(&tables.stdout);
-        assert!(!tables.contains("*nat"), "tproxy mode used NAT:\n{tables}");
-    }
-
     // An unmodified client dials the service's cluster IP: diverted to the
     // client proxy, and from it to the server pod's app port, diverted to
     // the inbound.
@@ -563,16 +575,37 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
     // A destination outside the mesh is passed through as opaque TCP.
     let (ok, out) = curl(&client_pod, &format!("http://{node_ip}:9000/"));
     assert!(ok && out.contains("tether-demo-replica: outside"), "{out}");
-    // A port left alone is reached directly, and its answers come back
-    // (the kernel's mark on what it accepts from outside).
-    let (ok, out) = curl(&server_pod, &format!("http://{s}:4191/ready"));
-    assert!(ok && out.starts_with("HTTP/1.1 200"), "{out}");
-    let (ok, out) = curl(&client_pod, &format!("http://{s}:4191/ready"));
-    assert!(ok && out.starts_with("HTTP/1.1 200"), "{out}");
+    // A port the app serves itself, left alone, is reached from outside
+    // the pod, and its answers come back: they carry the mark of what
+    // they answer, not taken for the app's outbound traffic.
+    let (ok, out) = curl(&client_pod, &format!("http://{s}:9100/"));
+    assert!(ok && out.contains("tether-demo-replica: side"), "{out}");
     // And no connection was tracked, in either pod.
     for pod in [&client_pod, &server_pod] {
         assert_eq!(tracked(pod), 0, "connections tracked in {}", pod.name);
     }
+
+    // Another rule makes the kernel track connections after all: the
+    // socket's own address still tells the destination (the tracking's
+    // answer is then that same address).
+    sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &client_pod.name,
+        "iptables",
+        "-A",
+        "OUTPUT",
+        "-m",
+        "conntrack",
+        "--ctstate",
+        "NEW,ESTABLISHED",
+        "-j",
+        "ACCEPT",
+    ]);
+    let (ok, out) = curl(&client_pod, &format!("http://{node_ip}:9000/"));
+    assert!(ok && out.contains("tether-demo-replica: outside"), "{out}");
+    assert!(tracked(&client_pod) > 0);
 
     // Switching back to redirect mode leaves none of tproxy mode's rules.
     init_in(

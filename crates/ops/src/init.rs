@@ -67,6 +67,8 @@ pub enum OnFailure {
     /// A check (`-C`) found nothing: the step after it adds what was
     /// missing.
     RunNext,
+    /// What it adds is there already (`ip rule add`'s `File exists`).
+    ExistsIsFine,
 }
 
 /// One command of the plan.
@@ -96,24 +98,47 @@ fn step(program: &str, line: &str, on_failure: OnFailure) -> Step {
 }
 
 /// The kernel settings tproxy mode needs in the pod's namespace, as
-/// (`/proc/sys` path, value). A reply the kernel makes on its own (a reset
-/// for a closed port, an acknowledgement from TIME_WAIT) and a connection
-/// an app's listener accepts then carry the mark of the packet they answer,
-/// which PREROUTING sets on everything from outside the pod: so they are
-/// not taken for the app's outbound traffic and diverted.
+/// (`/proc/sys` path, value):
+/// - a reply the kernel makes on its own (a reset for a closed port, an
+///   acknowledgement from TIME_WAIT) and a connection an app's listener
+///   accepts then carry the mark of the packet they answer, which
+///   PREROUTING sets on everything from outside the pod: so they are not
+///   taken for the app's outbound traffic and diverted;
+/// - no SYN cookies. Only a new connection's SYN is diverted to the
+///   inbound; a listener answering with a cookie keeps no record, so the
+///   handshake's last ACK would reach whatever else listens on the port,
+///   the app itself, around the proxy and its policy.
 pub fn sysctls(o: &InitOptions) -> Vec<(&'static str, &'static str)> {
     match o.mode {
         Mode::Redirect => Vec::new(),
         Mode::Tproxy => vec![
             ("/proc/sys/net/ipv4/fwmark_reflect", "1"),
             ("/proc/sys/net/ipv4/tcp_fwmark_accept", "1"),
+            ("/proc/sys/net/ipv4/tcp_syncookies", "0"),
         ],
     }
 }
 
+/// The routing rule's priority: before the main table (32766).
+pub const DIVERT_RULE_PRIORITY: u32 = 8192;
+
 /// The commands, in order.
 pub fn plan(o: &InitOptions) -> Vec<Step> {
     let mut steps = Vec::new();
+    let divert_mark = format!("{DIVERT_MARK:#x}/{DIVERT_MARK:#x}");
+    // The routing rule: marked packets are delivered locally. First, so
+    // that no packet is ever marked without it; added once, by priority.
+    let table_id = DIVERT_TABLE;
+    let rule = format!("fwmark {divert_mark} lookup {table_id} priority {DIVERT_RULE_PRIORITY}");
+    if o.mode == Mode::Tproxy {
+        let local = format!("route replace local 0.0.0.0/0 dev lo table {table_id}");
+        steps.push(step(&o.ip, &local, OnFailure::Stop));
+        steps.push(step(
+            &o.ip,
+            &format!("rule add {rule}"),
+            OnFailure::ExistsIsFine,
+        ));
+    }
     let (table, other) = match o.mode {
         Mode::Redirect => ("nat", "mangle"),
         Mode::Tproxy => ("mangle", "nat"),
@@ -148,7 +173,6 @@ pub fn plan(o: &InitOptions) -> Vec<Step> {
         iptables(format!("-t {table} -F {chain}"), OnFailure::Stop);
     }
     let own_mark = format!("{PROXY_OWN_MARK:#x}/{PROXY_OWN_MARK:#x}");
-    let divert_mark = format!("{DIVERT_MARK:#x}/{DIVERT_MARK:#x}");
     let (uid, to_outbound, to_inbound) = (o.proxy_uid, o.outbound_port, o.inbound_port);
     let add = |rule: &str| format!("-t {table} -A {rule}");
     if o.mode == Mode::Tproxy {
@@ -247,21 +271,11 @@ pub fn plan(o: &InitOptions) -> Vec<Step> {
             OnFailure::Stop,
         );
     }
-    // The routing rule: marked packets are delivered locally. `ip rule`
-    // has no check that fails, so a rule is deleted and added back.
-    let table_id = DIVERT_TABLE;
-    let rule = format!("fwmark {divert_mark} lookup {table_id}");
-    let mut ip = |line: String, on_failure| steps.push(step(&o.ip, &line, on_failure));
-    ip(format!("rule del {rule}"), OnFailure::Ignore);
-    match o.mode {
-        Mode::Tproxy => {
-            ip(
-                format!("route replace local 0.0.0.0/0 dev lo table {table_id}"),
-                OnFailure::Stop,
-            );
-            ip(format!("rule add {rule}"), OnFailure::Stop);
-        }
-        Mode::Redirect => ip(format!("route flush table {table_id}"), OnFailure::Ignore),
+    if o.mode == Mode::Redirect {
+        // tproxy mode's routing, after its rules are gone.
+        steps.push(step(&o.ip, &format!("rule del {rule}"), OnFailure::Ignore));
+        let local = format!("route del local 0.0.0.0/0 dev lo table {table_id}");
+        steps.push(step(&o.ip, &local, OnFailure::Ignore));
     }
     // What follows a check runs only when the check found nothing.
     for i in 1..steps.len() {
@@ -276,7 +290,8 @@ pub fn plan(o: &InitOptions) -> Vec<Step> {
 pub fn run(o: &InitOptions) -> anyhow::Result<()> {
     for (path, value) in sysctls(o) {
         println!("echo {value} > {path}");
-        if !o.dry_run {
+        let now = std::fs::read_to_string(path).unwrap_or_default();
+        if !o.dry_run && now.trim() != value {
             std::fs::write(path, value).map_err(|e| {
                 anyhow::anyhow!("writing {value} to {path}: {e} (tproxy mode needs it in the pod's network namespace)")
             })?;
@@ -289,6 +304,8 @@ pub fn run(o: &InitOptions) -> anyhow::Result<()> {
         }
         println!("{}", step.line());
         if o.dry_run {
+            // Shown as if the check found nothing: every command there is.
+            missing = step.on_failure == OnFailure::RunNext;
             continue;
         }
         let out = Command::new(&step.program).args(&step.args).output();
@@ -310,14 +327,14 @@ pub fn run(o: &InitOptions) -> anyhow::Result<()> {
         if out.status.success() {
             continue;
         }
+        let stderr = String::from_utf8_lossy(&out.stderr);
         match step.on_failure {
             OnFailure::Ignore => {}
             OnFailure::RunNext => missing = true,
-            OnFailure::Stop => anyhow::bail!(
-                "{}: {}",
-                step.line(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
+            OnFailure::ExistsIsFine if stderr.contains("File exists") => {}
+            OnFailure::Stop | OnFailure::ExistsIsFine => {
+                anyhow::bail!("{}: {}", step.line(), stderr.trim())
+            }
         }
     }
     Ok(())
@@ -383,7 +400,7 @@ mod tests {
             .any(|l| l == "-t mangle -D PREROUTING -p tcp -j TETHER_DIVERT"));
         assert!(lines
             .iter()
-            .any(|l| l == "rule del fwmark 0x2000/0x2000 lookup 8192"));
+            .any(|l| l == "rule del fwmark 0x2000/0x2000 lookup 8192 priority 8192"));
     }
 
     #[test]
@@ -432,10 +449,17 @@ mod tests {
         );
         position(&lines, "-t mangle -C OUTPUT -p tcp -j TETHER_OUTPUT");
         position(&lines, "-t mangle -C PREROUTING -p tcp -j TETHER_DIVERT");
-        position(&lines, "route replace local 0.0.0.0/0 dev lo table 8192");
-        let added = position(&lines, "rule add fwmark 0x2000/0x2000 lookup 8192");
-        let deleted = position(&lines, "rule del fwmark 0x2000/0x2000 lookup 8192");
-        assert!(deleted < added, "the rule is added once, however many runs");
+        // The routing first: no packet is marked without it.
+        let route = position(&lines, "route replace local 0.0.0.0/0 dev lo table 8192");
+        let rule = position(
+            &lines,
+            "rule add fwmark 0x2000/0x2000 lookup 8192 priority 8192",
+        );
+        assert!(route < rule && rule < own_mark, "{lines:#?}");
+        assert!(
+            !lines.iter().any(|l| l.starts_with("rule del")),
+            "{lines:#?}"
+        );
         // The nat table is not touched: with legacy iptables, even a look
         // at it would make the kernel track connections.
         assert!(!lines.iter().any(|l| l.contains("-t nat")), "{lines:#?}");
@@ -443,7 +467,8 @@ mod tests {
             sysctls(&options(Mode::Tproxy)),
             [
                 ("/proc/sys/net/ipv4/fwmark_reflect", "1"),
-                ("/proc/sys/net/ipv4/tcp_fwmark_accept", "1")
+                ("/proc/sys/net/ipv4/tcp_fwmark_accept", "1"),
+                ("/proc/sys/net/ipv4/tcp_syncookies", "0")
             ]
         );
         assert!(sysctls(&options(Mode::Redirect)).is_empty());

@@ -31,7 +31,7 @@ pub struct ProxyArgs {
     /// The outbound and inbound listeners are transparent (IP_TRANSPARENT):
     /// they accept the connections `tether init --mode tproxy` diverts to
     /// them, each with its original destination as its own address. Needs
-    /// CAP_NET_RAW or CAP_NET_ADMIN (docs/interception.md).
+    /// CAP_NET_RAW (CAP_NET_ADMIN before Linux 5.17; docs/interception.md).
     #[arg(long, env = "TETHER_PROXY_TRANSPARENT")]
     transparent: bool,
     /// The local app's address, where inbound traffic goes.

@@ -24,11 +24,14 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 /// programs iptables only).
 pub fn original_dst(stream: &TcpStream, listening: SocketAddr) -> Option<SocketAddr> {
     let local = stream.local_addr().ok()?;
-    if let Some(dst) = redirected_dst(stream) {
-        // Not redirected: the original destination is the listener itself.
-        return (dst != local).then_some(dst);
+    // First: where the kernel tracks connections anyway (another rule
+    // needs it), a diverted connection's tracked destination is its own
+    // address, which the check below would take for "not redirected".
+    if diverted(local, listening) {
+        return Some(local);
     }
-    diverted(local, listening).then_some(local)
+    // Not redirected: the original destination is the listener itself.
+    redirected_dst(stream).filter(|dst| *dst != local)
 }
 
 /// Whether a connection accepted at `local` by the listener bound to
@@ -113,11 +116,14 @@ fn set_option(
     Err(if e.kind() == std::io::ErrorKind::PermissionDenied {
         let name = match option {
             libc::SO_MARK => "SO_MARK",
+            libc::IPV6_TRANSPARENT if level == libc::SOL_IPV6 => "IPV6_TRANSPARENT",
             _ => "IP_TRANSPARENT",
         };
         std::io::Error::new(
             e.kind(),
-            format!("--transparent: {name} needs CAP_NET_RAW or CAP_NET_ADMIN ({e})"),
+            format!(
+                "--transparent: {name} needs CAP_NET_RAW (CAP_NET_ADMIN before Linux 5.17) ({e})"
+            ),
         )
     } else {
         e
@@ -138,7 +144,8 @@ pub(crate) fn mark(socket: &TcpSocket, mark: u32) -> std::io::Result<()> {
 /// connections iptables' TPROXY diverts to it whatever address they were
 /// for, and announces it as [`tether_admin::bind`] does. It and the
 /// connections it accepts carry [`PROXY_OWN_MARK`]. Setting either option
-/// needs `CAP_NET_RAW` or `CAP_NET_ADMIN`; without them the error says so.
+/// needs `CAP_NET_RAW` (`CAP_NET_ADMIN` before Linux 5.17, for `SO_MARK`);
+/// without it the error says so.
 pub async fn bind_transparent(
     what: &'static str,
     addr: SocketAddr,
@@ -208,7 +215,7 @@ mod tests {
                 let text = e.to_string();
                 assert!(
                     text.contains("binding outbound listener")
-                        && text.contains("CAP_NET_RAW or CAP_NET_ADMIN"),
+                        && text.contains("needs CAP_NET_RAW"),
                     "{text}"
                 );
             }
