@@ -252,11 +252,14 @@ pub fn plan(o: &InitOptions) -> Vec<Step> {
             }
             // A new connection's SYN only: TPROXY would drop any other
             // packet (replies to the proxy's own connections among them)
-            // for not reaching a transparent socket. The listener is found
-            // at the address the SYN was for, on the inbound port.
-            Mode::Tproxy => {
-                format!("{inbound_chain} -p tcp --syn -j TPROXY --on-port {to_inbound}")
-            }
+            // for not reaching a transparent socket. For this namespace
+            // only: a SYN it forwards is not its own. The listener is
+            // found on the inbound port at the first address of the
+            // interface the SYN came in on.
+            Mode::Tproxy => format!(
+                "{inbound_chain} -p tcp --syn -m addrtype --dst-type LOCAL -j TPROXY \
+                 --on-port {to_inbound}"
+            ),
         };
         iptables(add(&rule), OnFailure::Stop);
     }
@@ -441,7 +444,7 @@ mod tests {
         let outside = divert("-j MARK --set-xmark 0x1000/0x1000");
         let admin = divert("-p tcp --dport 4191 -j RETURN");
         let itself = divert("-p tcp --dport 4143 -j RETURN");
-        let inbound = divert("-p tcp --syn -j TPROXY --on-port 4143");
+        let inbound = divert("-p tcp --syn -m addrtype --dst-type LOCAL -j TPROXY --on-port 4143");
         assert!(outbound < from_pod && from_pod < outside, "{lines:#?}");
         assert!(
             outside < admin && admin < inbound && itself < inbound,
