@@ -114,6 +114,30 @@ fn curl(ns: &NetNs, url: &str) -> (bool, String) {
     )
 }
 
+/// A demo app in `ns` on `listen`, answering as `replica`.
+async fn demo_app_in(scratch: &Scratch, ns: &NetNs, replica: &str, listen: &str) -> Process {
+    let args = ["demo-app", "--listen", listen, "--replica", replica].map(String::from);
+    spawn_in(scratch, ns, replica, &args, &["http"]).await
+}
+
+/// Lists `address` as the `web` service's one endpoint and waits until
+/// both proxies are ready.
+async fn serve_web_at(scratch: &Scratch, address: &str, identity: &str, proxies: [&Process; 2]) {
+    scratch.write(
+        "web-0.yaml",
+        &format!("kind: Endpoints\nservice: web\nnamespace: test\nendpoints: [{{address: \"{address}\", identity: {identity}}}]\n"),
+    );
+    for proxy in proxies {
+        let admin = proxy.addr("admin");
+        assert!(
+            eventually(std::time::Duration::from_secs(15), || async {
+                ready_body(admin).await.0 == 200
+            })
+            .await
+        );
+    }
+}
+
 #[tokio::test]
 async fn curl_to_a_cluster_ip_is_intercepted_and_meshed() {
     ensure_iptables();
@@ -146,36 +170,8 @@ async fn curl_to_a_cluster_ip_is_intercepted_and_meshed() {
         &["grpc", "admin"],
     )
     .await;
-    let app = spawn_in(
-        &scratch,
-        &ns,
-        "web-0",
-        &[
-            "demo-app",
-            "--listen",
-            &format!("{ip}:8080"),
-            "--replica",
-            "web-0",
-        ]
-        .map(String::from),
-        &["http"],
-    )
-    .await;
-    let outside = spawn_in(
-        &scratch,
-        &ns,
-        "outside",
-        &[
-            "demo-app",
-            "--listen",
-            &format!("{ip}:9000"),
-            "--replica",
-            "outside",
-        ]
-        .map(String::from),
-        &["http"],
-    )
-    .await;
+    let app = demo_app_in(&scratch, &ns, "web-0", &format!("{ip}:8080")).await;
+    let outside = demo_app_in(&scratch, &ns, "outside", &format!("{ip}:9000")).await;
 
     let proxy = |name: &str, identity: &str, app: Option<&str>| {
         let mut a: Vec<String> = [
@@ -220,18 +216,13 @@ async fn curl_to_a_cluster_ip_is_intercepted_and_meshed() {
         &["outbound", "admin"],
     )
     .await;
-    scratch.write(
-        "web-0.yaml",
-        &format!("kind: Endpoints\nservice: web\nnamespace: test\nendpoints: [{{address: \"{ip}:4143\", identity: {server_id}}}]\n"),
-    );
-    for admin in [client.addr("admin"), server.addr("admin")] {
-        assert!(
-            eventually(std::time::Duration::from_secs(15), || async {
-                ready_body(admin).await.0 == 200
-            })
-            .await
-        );
-    }
+    serve_web_at(
+        &scratch,
+        &format!("{ip}:4143"),
+        server_id,
+        [&client, &server],
+    )
+    .await;
 
     // Program the interception, twice: the same rules either way.
     let init = |_: ()| {
@@ -399,22 +390,8 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
         &["grpc", "admin"],
     )
     .await;
-    let _side = spawn_in(
-        &scratch,
-        &server_pod,
-        "side",
-        &["demo-app", "--listen", "0.0.0.0:9100", "--replica", "side"].map(String::from),
-        &["http"],
-    )
-    .await;
-    let _app = spawn_in(
-        &scratch,
-        &server_pod,
-        "web-0",
-        &["demo-app", "--listen", "0.0.0.0:8080", "--replica", "web-0"].map(String::from),
-        &["http"],
-    )
-    .await;
+    let _side = demo_app_in(&scratch, &server_pod, "side", "0.0.0.0:9100").await;
+    let _app = demo_app_in(&scratch, &server_pod, "web-0", "0.0.0.0:8080").await;
     // Outside the mesh: on the node.
     let node_ip = format!("{}.1", s.rsplit_once('.').unwrap().0);
     let outside = Process::spawn(
@@ -528,18 +505,13 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
     .await;
     // The endpoint is the app's own port, as a pod's is: the server pod's
     // interception hands it to the inbound.
-    scratch.write(
-        "web-0.yaml",
-        &format!("kind: Endpoints\nservice: web\nnamespace: test\nendpoints: [{{address: \"{s}:8080\", identity: {server_id}}}]\n"),
-    );
-    for admin in [client.addr("admin"), server.addr("admin")] {
-        assert!(
-            eventually(std::time::Duration::from_secs(15), || async {
-                ready_body(admin).await.0 == 200
-            })
-            .await
-        );
-    }
+    serve_web_at(
+        &scratch,
+        &format!("{s}:8080"),
+        server_id,
+        [&client, &server],
+    )
+    .await;
 
     // An unmodified client dials the service's cluster IP: diverted to the
     // client proxy, and from it to the server pod's app port, diverted to
