@@ -219,7 +219,7 @@ pub fn plan(o: &InitOptions) -> Vec<Step> {
         }
         Mode::Tproxy => {
             // Marked, the packet is routed to the loopback (the routing
-            // rule below) and comes back in through PREROUTING, where a
+            // rule, set first) and comes back in through PREROUTING, where a
             // new connection's SYN is handed to the outbound listener; the
             // rest of its packets find the accepted socket by address.
             iptables(
