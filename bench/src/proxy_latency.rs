@@ -308,40 +308,21 @@ fn parse_args() -> anyhow::Result<Args> {
             println!("{USAGE}");
             std::process::exit(0);
         }
-        if flag == "--syscalls" {
-            args.syscalls = true;
-            continue;
-        }
-        if flag == "--allocs" {
-            args.allocs = true;
-            continue;
-        }
-        if flag == "--compare-h1" {
-            args.compare_h1 = true;
-            continue;
-        }
-        if flag == "--haproxy-mtls" {
-            args.haproxy_mtls = true;
-            continue;
-        }
-        if flag == "--haproxy-sidecar" {
-            args.haproxy_sidecar = true;
-            continue;
-        }
-        if flag == "--compare-explicit" {
-            args.compare_explicit = true;
-            continue;
-        }
-        if flag == "--compare-tproxy" {
-            args.compare_tproxy = true;
-            continue;
-        }
-        if flag == "--netns" {
-            args.netns = true;
-            continue;
-        }
-        if flag == "--request-ids" {
-            args.request_ids = true;
+        // Switches take no value.
+        let switch = match flag.as_str() {
+            "--syscalls" => Some(&mut args.syscalls),
+            "--allocs" => Some(&mut args.allocs),
+            "--compare-h1" => Some(&mut args.compare_h1),
+            "--haproxy-mtls" => Some(&mut args.haproxy_mtls),
+            "--haproxy-sidecar" => Some(&mut args.haproxy_sidecar),
+            "--compare-explicit" => Some(&mut args.compare_explicit),
+            "--compare-tproxy" => Some(&mut args.compare_tproxy),
+            "--netns" => Some(&mut args.netns),
+            "--request-ids" => Some(&mut args.request_ids),
+            _ => None,
+        };
+        if let Some(on) = switch {
+            *on = true;
             continue;
         }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
