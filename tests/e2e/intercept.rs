@@ -89,12 +89,18 @@ fn nat_rules(ns: &NetNs) -> String {
     table_rules(ns, "nat")
 }
 
-fn table_rules(ns: &NetNs, table: &str) -> String {
+/// What `command` prints in `ns`.
+fn stdout_in(ns: &NetNs, command: &[&str]) -> String {
     let out = Command::new("ip")
-        .args(["netns", "exec", &ns.name, "iptables-save", "-t", table])
+        .args(["netns", "exec", &ns.name])
+        .args(command)
         .output()
         .unwrap();
-    String::from_utf8_lossy(&out.stdout)
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn table_rules(ns: &NetNs, table: &str) -> String {
+    stdout_in(ns, &["iptables-save", "-t", table])
         .lines()
         .filter(|l| !l.starts_with('#') && !l.starts_with(':'))
         .collect::<Vec<_>>()
@@ -346,15 +352,8 @@ fn init_in(ns: &NetNs, args: &[&str]) -> String {
 }
 
 fn divert_rules(ns: &NetNs) -> String {
-    let rules = Command::new("ip")
-        .args(["netns", "exec", &ns.name, "ip", "rule", "list"])
-        .output()
-        .unwrap();
-    format!(
-        "{}\n{}",
-        table_rules(ns, "mangle"),
-        String::from_utf8_lossy(&rules.stdout)
-    )
+    let rules = stdout_in(ns, &["ip", "rule", "list"]);
+    format!("{}\n{rules}", table_rules(ns, "mangle"))
 }
 
 #[tokio::test]
@@ -436,11 +435,7 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
             "{first}"
         );
         // Every table there is (`-t nat` would show one that is not).
-        let tables = Command::new("ip")
-            .args(["netns", "exec", &pod.name, "iptables-save"])
-            .output()
-            .unwrap();
-        let tables = String::from_utf8_lossy(&tables.stdout);
+        let tables = stdout_in(pod, &["iptables-save"]);
         assert!(!tables.contains("*nat"), "tproxy mode used NAT:\n{tables}");
     }
 

@@ -130,8 +130,21 @@ fn set_option(
     })
 }
 
-/// Marks `socket` as the proxy's own (`SO_MARK`).
-pub(crate) fn mark(socket: &TcpSocket, mark: u32) -> std::io::Result<()> {
+/// A socket of `addr`'s family, marked as the proxy's own (`SO_MARK`).
+pub(crate) fn marked_socket(addr: SocketAddr, mark: u32) -> std::io::Result<TcpSocket> {
+    let socket = socket_for(addr)?;
+    set_mark(&socket, mark)?;
+    Ok(socket)
+}
+
+fn socket_for(addr: SocketAddr) -> std::io::Result<TcpSocket> {
+    match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4(),
+        SocketAddr::V6(_) => TcpSocket::new_v6(),
+    }
+}
+
+fn set_mark(socket: &TcpSocket, mark: u32) -> std::io::Result<()> {
     set_option(
         socket.as_raw_fd(),
         libc::SOL_SOCKET,
@@ -151,20 +164,16 @@ pub async fn bind_transparent(
     addr: SocketAddr,
 ) -> Result<TcpListener, BindError> {
     let err = |source| BindError { what, addr, source };
-    let socket = match addr {
-        SocketAddr::V4(_) => TcpSocket::new_v4(),
-        SocketAddr::V6(_) => TcpSocket::new_v6(),
-    }
-    .map_err(err)?;
+    let socket = socket_for(addr).map_err(err)?;
     socket.set_reuseaddr(true).map_err(err)?;
     let (level, option) = match addr {
         SocketAddr::V4(_) => (libc::SOL_IP, libc::IP_TRANSPARENT),
         SocketAddr::V6(_) => (libc::SOL_IPV6, libc::IPV6_TRANSPARENT),
     };
     set_option(socket.as_raw_fd(), level, option, 1).map_err(err)?;
-    // Accepted connections inherit it, and so do their handshakes' replies
-    // and the resets the listener sends.
-    mark(&socket, PROXY_OWN_MARK).map_err(err)?;
+    // Accepted connections inherit the mark, and so do their handshakes'
+    // replies and the resets the listener sends.
+    set_mark(&socket, PROXY_OWN_MARK).map_err(err)?;
     socket.bind(addr).map_err(err)?;
     let listener = socket.listen(1024).map_err(err)?;
     announce(what, listener.local_addr().unwrap_or(addr));

@@ -208,12 +208,9 @@ pub async fn connect_tcp(
             // Transparent mode: marked as the proxy's own, so `tether init`'s
             // rules leave its packets alone, even after it is closed.
             Some(mark) => {
-                let socket = match addr {
-                    std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
-                    std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
-                }?;
-                crate::intercept::mark(&socket, mark)?;
-                socket.connect(addr).await
+                crate::intercept::marked_socket(addr, mark)?
+                    .connect(addr)
+                    .await
             }
             None => tokio::net::TcpStream::connect(addr).await,
         }
