@@ -411,9 +411,11 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
     .unwrap();
 
     // Both pods intercepted both ways, before anything connects (a
-    // connection made before would lose its answers); the control plane's
-    // port, the admin port and a port the app serves itself are left
-    // alone. Twice: the same rules either way.
+    // connection made before would lose its answers); the admin port, the
+    // control plane's (served from the server pod) and a port the app
+    // serves itself are left alone inbound. Outbound nothing is skipped:
+    // the proxies' connections to the control plane are known by their
+    // mark. Twice: the same rules either way.
     let args = [
         "--mode",
         "tproxy",
@@ -421,8 +423,6 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
         PROXY_UID,
         "--skip-inbound-ports",
         "4191,8086,9100",
-        "--skip-outbound-ports",
-        "8086",
     ];
     for pod in [&client_pod, &server_pod] {
         init_in(pod, &args);
@@ -537,6 +537,18 @@ async fn tproxy_intercepts_both_ways_without_tracking_a_connection() {
             ),
             1.0,
             "exactly one {direction} request (no loop, nothing around the proxy):\n{m}"
+        );
+    }
+    // The proxies' connections to the control plane carry the proxy's
+    // mark too, which outlives them: their last packets after a close are
+    // left alone, as the uid rule leaves them alone while they are open.
+    for pod in [&client_pod, &server_pod] {
+        let sockets = stdout_in(pod, &["ss", "-tne", "dst", &format!("{s}:8086")]);
+        let connections: Vec<&str> = sockets.lines().filter(|l| l.starts_with("ESTAB")).collect();
+        assert!(
+            !connections.is_empty() && connections.iter().all(|l| l.contains("fwmark:0x1000")),
+            "control-plane connections from {} not all marked:\n{sockets}",
+            pod.name
         );
     }
     // A destination outside the mesh is passed through as opaque TCP.

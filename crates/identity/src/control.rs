@@ -23,7 +23,6 @@ use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpStream;
 
 use crate::tls::{explain, provider, CertStore, TlsError};
 use crate::trust::{BundleClientVerifier, BundleServerVerifier, TrustBundle};
@@ -197,7 +196,10 @@ impl Connector {
         let fail = |kind: std::io::ErrorKind, why: String| {
             std::io::Error::new(kind, format!("control plane {addr}: {why}"))
         };
-        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+        // Marked in transparent mode like the data path's connections: with
+        // no connection tracking, a closed connection's last packets are
+        // known as the proxy's by their mark alone.
+        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, crate::own_socket::connect(addr))
             .await
             .map_err(|_| fail(std::io::ErrorKind::TimedOut, "connect timed out".into()))?
             .map_err(|e| fail(e.kind(), e.to_string()))?;

@@ -10,6 +10,8 @@
 //! - [`control`]: the channel between proxies and the control plane: the
 //!   control plane's identity, its TLS configurations, and a tonic channel
 //!   that verifies it.
+//! - [`own_socket`]: the connections this process opens, marked as its
+//!   own in transparent mode (`tether init --mode tproxy`).
 //! - [`rotation`]: rotating the issuer and the trust root step by step.
 //! - [`trust`]: the trust bundle (one or more roots), re-read in place,
 //!   and the verifiers that consult it at every handshake.
@@ -26,6 +28,7 @@ pub mod ca;
 pub mod cert;
 pub mod control;
 pub mod csr;
+pub mod own_socket;
 pub mod rotation;
 pub mod tls;
 pub mod token;

@@ -8,16 +8,16 @@
 //!   accept only when it is transparent ([`bind_transparent`]). With no
 //!   connection tracking, `tether init` tells the proxy's packets from the
 //!   app's by their mark: every data-path socket the proxy then opens or
-//!   accepts carries [`PROXY_OWN_MARK`] ([`mark_own_sockets`]).
+//!   accepts carries [`PROXY_OWN_MARK`] ([`tether_identity::own_socket`]).
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use tether_core::marks::PROXY_OWN_MARK;
+use tether_identity::own_socket::{needs_capability, set_mark, socket_for};
 
 use tether_admin::{announce, BindError};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpStream};
 
 /// The destination the client dialled, if the connection was redirected
 /// or diverted to the listener at `listening` (IPv4 only, as `tether init`
@@ -73,24 +73,6 @@ fn redirected_dst(stream: &TcpStream) -> Option<SocketAddr> {
     )))
 }
 
-/// Whether the sockets the proxy connects from carry [`PROXY_OWN_MARK`]:
-/// set once, at start, in transparent mode, for the whole process (every
-/// data-path connection goes through [`crate::tls::connect_tcp`]).
-static MARK_OWN_SOCKETS: AtomicBool = AtomicBool::new(false);
-
-/// From now on, every connection the data path opens carries
-/// [`PROXY_OWN_MARK`] (transparent mode).
-pub fn mark_own_sockets() {
-    MARK_OWN_SOCKETS.store(true, Ordering::Relaxed);
-}
-
-/// The mark outgoing connections carry, if any.
-pub(crate) fn own_mark() -> Option<u32> {
-    MARK_OWN_SOCKETS
-        .load(Ordering::Relaxed)
-        .then_some(PROXY_OWN_MARK)
-}
-
 /// Sets an integer socket option; an error names what needs a capability.
 fn set_option(
     fd: RawFd,
@@ -112,45 +94,12 @@ fn set_option(
     if rc == 0 {
         return Ok(());
     }
-    let e = std::io::Error::last_os_error();
-    Err(if e.kind() == std::io::ErrorKind::PermissionDenied {
-        let name = match option {
-            libc::SO_MARK => "SO_MARK",
-            libc::IPV6_TRANSPARENT if level == libc::SOL_IPV6 => "IPV6_TRANSPARENT",
-            _ => "IP_TRANSPARENT",
-        };
-        std::io::Error::new(
-            e.kind(),
-            format!(
-                "--transparent: {name} needs CAP_NET_RAW (CAP_NET_ADMIN before Linux 5.17) ({e})"
-            ),
-        )
+    let name = if level == libc::SOL_IPV6 {
+        "IPV6_TRANSPARENT"
     } else {
-        e
-    })
-}
-
-/// A socket of `addr`'s family, marked as the proxy's own (`SO_MARK`).
-pub(crate) fn marked_socket(addr: SocketAddr, mark: u32) -> std::io::Result<TcpSocket> {
-    let socket = socket_for(addr)?;
-    set_mark(&socket, mark)?;
-    Ok(socket)
-}
-
-fn socket_for(addr: SocketAddr) -> std::io::Result<TcpSocket> {
-    match addr {
-        SocketAddr::V4(_) => TcpSocket::new_v4(),
-        SocketAddr::V6(_) => TcpSocket::new_v6(),
-    }
-}
-
-fn set_mark(socket: &TcpSocket, mark: u32) -> std::io::Result<()> {
-    set_option(
-        socket.as_raw_fd(),
-        libc::SOL_SOCKET,
-        libc::SO_MARK,
-        mark as libc::c_int,
-    )
+        "IP_TRANSPARENT"
+    };
+    Err(needs_capability(name, std::io::Error::last_os_error()))
 }
 
 /// Binds a transparent listener (`IP_TRANSPARENT`), which accepts the

@@ -40,7 +40,7 @@ pub async fn run(config: ProxyConfig, shutdown: Shutdown) -> Result<(), ProxySta
         return Err(ProxyStartError::ForwardWithMandatoryTls);
     }
     if config.transparent {
-        crate::intercept::mark_own_sockets();
+        tether_identity::own_socket::mark_own_sockets();
     }
     let listen = |what, addr| async move {
         if config.transparent {

@@ -203,18 +203,9 @@ pub async fn connect_tcp(
     addr: std::net::SocketAddr,
     timeout: std::time::Duration,
 ) -> Result<tokio::net::TcpStream, String> {
-    let connect = async {
-        match crate::intercept::own_mark() {
-            // Transparent mode: marked as the proxy's own, so `tether init`'s
-            // rules leave its packets alone, even after it is closed.
-            Some(mark) => {
-                crate::intercept::marked_socket(addr, mark)?
-                    .connect(addr)
-                    .await
-            }
-            None => tokio::net::TcpStream::connect(addr).await,
-        }
-    };
+    // Transparent mode: marked as the proxy's own, so `tether init`'s rules
+    // leave its packets alone, even after it is closed.
+    let connect = tether_identity::own_socket::connect(addr);
     let stream = tokio::time::timeout(timeout, connect)
         .await
         .map_err(|_| format!("connect timed out after {timeout:?}"))?
