@@ -15,9 +15,14 @@
 //!
 //! The counters are zeroed (`callgrind_control -z`) just before a run's
 //! load and dumped (`-d`) just after; the dump's total over the requests
-//! the load sent is the figure. Under callgrind a proxy runs ~50× slower:
+//! the load sent is the figure. The same dump says where the instructions
+//! are, by the crate whose source they were compiled from (inlined code
+//! counts where it was written, not where it was inlined), for a build
+//! with line tables (the release profile has them; BOLT's layout loses
+//! them, and its instructions then count under the binary's name). Under callgrind a proxy runs ~50× slower:
 //! rates of a few hundred requests per second at most (`--rates 200`).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
@@ -59,9 +64,16 @@ pub fn zero(pids: &[u32]) -> anyhow::Result<()> {
     pids.iter().try_for_each(|pid| control("-z", *pid))
 }
 
+/// One proxy's instructions since [`zero`]: the total, and by source
+/// crate (most first).
+pub struct Count {
+    pub total: u64,
+    pub by_crate: Vec<(String, u64)>,
+}
+
 /// Each proxy's instructions since [`zero`]: dumps its counters and reads
-/// the total of the newest dump.
-pub fn dump(dir: &Path, pids: &[u32]) -> anyhow::Result<Vec<u64>> {
+/// the newest dump.
+pub fn dump(dir: &Path, pids: &[u32]) -> anyhow::Result<Vec<Count>> {
     pids.iter()
         .map(|pid| {
             control("-d", *pid)?;
@@ -76,9 +88,120 @@ pub fn dump(dir: &Path, pids: &[u32]) -> anyhow::Result<Vec<u64>> {
                 .with_context(|| format!("no callgrind dump of {pid} in {}", dir.display()))?;
             let file = dir.join(newest.1);
             let text = std::fs::read_to_string(&file)?;
-            total(&text).with_context(|| format!("no total in {}", file.display()))
+            let total = total(&text).with_context(|| format!("no total in {}", file.display()))?;
+            Ok(Count {
+                total,
+                by_crate: by_crate(&text),
+            })
         })
         .collect()
+}
+
+/// A dump's instructions by the crate (or library) of the source file
+/// they were compiled from, most first. Reads the format callgrind writes
+/// (`fl=`/`fi=`/`fe=` name the file of the cost lines that follow, `ob=`
+/// the object, with names compressed to `(n)` after first use; the cost
+/// line after `calls=` is the call's inclusive cost, not counted here).
+fn by_crate(dump: &str) -> Vec<(String, u64)> {
+    let mut names = HashMap::new();
+    let mut positions = 1;
+    // The function's file (`fl=`), and the one its cost lines are from
+    // (`fi=`/`fe=` for code inlined into it, until the next function).
+    let (mut function_file, mut file, mut object) = ("", "", "");
+    let mut inclusive_next = false;
+    let mut counts: HashMap<String, u64> = HashMap::new();
+    for line in dump.lines() {
+        if let Some(v) = line.strip_prefix("positions:") {
+            positions = v.split_whitespace().count().max(1);
+        } else if let Some(v) = line.strip_prefix("fl=") {
+            function_file = named(&mut names, 'f', v);
+            file = function_file;
+        } else if let Some(v) = ["fi=", "fe="].iter().find_map(|k| line.strip_prefix(k)) {
+            file = named(&mut names, 'f', v);
+        } else if line.starts_with("fn=") {
+            file = function_file;
+        } else if let Some(v) = ["cfi=", "cfl="].iter().find_map(|k| line.strip_prefix(k)) {
+            named(&mut names, 'f', v);
+        } else if let Some(v) = line.strip_prefix("ob=") {
+            object = named(&mut names, 'o', v);
+        } else if let Some(v) = line.strip_prefix("cob=") {
+            named(&mut names, 'o', v);
+        } else if line.starts_with("calls=") {
+            inclusive_next = true;
+        } else if line.starts_with(|c: char| c.is_ascii_digit() || "+-*".contains(c)) {
+            if std::mem::take(&mut inclusive_next) {
+                continue;
+            }
+            let cost = line.split_whitespace().nth(positions);
+            if let Some(ir) = cost.and_then(|v| v.parse::<u64>().ok()) {
+                *counts.entry(crate_of(file, object)).or_default() += ir;
+            }
+        }
+    }
+    let mut counts: Vec<_> = counts.into_iter().collect();
+    counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    counts
+}
+
+/// A name as the dump gives it: `(n) name` defines n in `table` (files
+/// share one, objects another), `(n)` alone uses it.
+fn named<'a>(
+    names: &mut HashMap<(char, &'a str), &'a str>,
+    table: char,
+    value: &'a str,
+) -> &'a str {
+    let Some((id, name)) = value.strip_prefix('(').and_then(|v| v.split_once(')')) else {
+        return value;
+    };
+    let name = name.trim_start();
+    if name.is_empty() {
+        return names.get(&(table, id)).copied().unwrap_or("???");
+    }
+    names.insert((table, id), name);
+    name
+}
+
+/// The crate a source file belongs to: a dependency's name without its
+/// version, a workspace crate's as `tether-<dir>`, Rust's own library as
+/// `std` (core, alloc and std together), C library sources as `libc`
+/// (its copies apart, as `libc memcpy`); without line tables, the object's
+/// file name.
+fn crate_of(file: &str, object: &str) -> String {
+    if file.is_empty() || file == "???" {
+        let object = object.rsplit('/').next().unwrap_or(object);
+        return format!("{object} (no line tables)");
+    }
+    if file.contains("/library/") && file.contains("/rustc/") {
+        return "std".into();
+    }
+    if let Some(dir) = file
+        .split("/crates/")
+        .nth(1)
+        .and_then(|r| r.split('/').next())
+    {
+        if !file.contains("/registry/") {
+            return format!("tether-{dir}");
+        }
+    }
+    // `…/registry/src/<index>/<name>-<version>/…`, `/rust/deps/<name>-<version>/…`
+    let package = file.split('/').find(|part| {
+        part.rsplit_once('-')
+            .is_some_and(|(_, v)| v.starts_with(|c: char| c.is_ascii_digit()) && v.contains('.'))
+    });
+    if let Some(package) = package {
+        return package
+            .rsplit_once('-')
+            .map_or(package, |(name, _)| name)
+            .to_string();
+    }
+    if file.starts_with("./") {
+        return if file.contains("memmove") || file.contains("memcpy") {
+            "libc memcpy".into()
+        } else {
+            "libc".into()
+        };
+    }
+    "other".into()
 }
 
 /// The instruction total of a callgrind dump (`summary:`, or `totals:`).
@@ -92,6 +215,33 @@ fn total(dump: &str) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn instructions_count_where_their_source_is_and_calls_do_not_count_twice() {
+        let dump = "positions: line\nevents: Ir\nsummary: 175\n\
+            ob=(1) /work/target/release/tether-proxy\n\
+            fl=(1) /work/main/crates/proxy/src/http.rs\nfn=(1) strip\n10 20\n\
+            fi=(2) /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/h2-0.4.20/src/hpack/encoder.rs\n+2 30\n\
+            fe=(1)\n* 5\n\
+            cfl=(3) /rustc/abc/library/core/src/ptr/mod.rs\ncfn=(2) copy\ncalls=1 7\n12 1000\n\
+            fn=(3) other\n1 7\n\
+            fl=(3)\nfn=(2)\n3 13\n\
+            ob=(2) /usr/lib/x86_64-linux-gnu/libc.so.6\n\
+            fl=(4) ./string/../sysdeps/x86_64/multiarch/memmove-vec-unaligned-erms.S\nfn=(4) memcpy\n1 40\n\
+            ob=(3) /usr/sbin/haproxy\nfl=(5) ???\nfn=(5) h1_parse\n1 60\n";
+        assert_eq!(
+            super::by_crate(dump),
+            [
+                ("haproxy (no line tables)".to_string(), 60),
+                ("libc memcpy".to_string(), 40),
+                ("tether-proxy".to_string(), 32),
+                ("h2".to_string(), 30),
+                ("std".to_string(), 13),
+            ]
+        );
+        let total: u64 = super::by_crate(dump).iter().map(|c| c.1).sum();
+        assert_eq!(Some(total), super::total(dump));
+    }
+
     #[test]
     fn a_dumps_total_is_its_summary_or_its_totals() {
         let dump = "version: 1\ncmd: x\nevents: Ir\nfn=main\n1 5\nsummary: 1234\ntotals: 1234\n";

@@ -488,6 +488,8 @@ struct Samples {
     /// Per rate, per proxy: user-space instructions per request
     /// (`--callgrind`, first repetition).
     instructions: Vec<Vec<f64>>,
+    /// The same, by source crate, most first.
+    instructions_by_crate: Vec<Vec<Vec<(String, f64)>>>,
 }
 
 /// The medians over repetitions.
@@ -1330,6 +1332,7 @@ async fn main() -> anyhow::Result<()> {
             syscalls: vec![Vec::new(); args.rates.len()],
             allocs: vec![Vec::new(); args.rates.len()],
             instructions: vec![Vec::new(); args.rates.len()],
+            instructions_by_crate: vec![Vec::new(); args.rates.len()],
             ..Samples::default()
         })
         .collect();
@@ -1358,9 +1361,17 @@ async fn main() -> anyhow::Result<()> {
                 let report = load(&args, r, Some(rate), args.seconds)?;
                 let sent = report["sent"].as_f64().unwrap_or(1.0).max(1.0);
                 if let Some(out) = counting_instructions {
-                    sample.instructions[ri] = callgrind::dump(out, &r.pids)?
+                    let counts = callgrind::dump(out, &r.pids)?;
+                    let per_request = |n: u64| n as f64 / sent;
+                    sample.instructions[ri] = counts.iter().map(|c| per_request(c.total)).collect();
+                    sample.instructions_by_crate[ri] = counts
                         .into_iter()
-                        .map(|n| n as f64 / sent)
+                        .map(|c| {
+                            c.by_crate
+                                .into_iter()
+                                .map(|(k, n)| (k, per_request(n)))
+                                .collect()
+                        })
                         .collect();
                 }
                 let sched_after = sched(r);
@@ -1910,7 +1921,37 @@ fn report_instructions(args: &Args, routes: &[Route], samples: &[Samples]) {
                 client + server
             );
         }
+        println!(
+            "  by the crate their source is in (inlined code counts where it was written; \
+             a build without line tables counts under its binary):"
+        );
+        for (r, s) in routes.iter().zip(samples) {
+            for (side, crates) in ["client", "server"]
+                .iter()
+                .zip(&s.instructions_by_crate[ri])
+            {
+                println!(
+                    "    {:<20} {}",
+                    format!("{} {side}", r.name),
+                    top_crates(crates, 7)
+                );
+            }
+        }
     }
+}
+
+/// "name count, …, other count": the `n` largest, then the rest together.
+fn top_crates(crates: &[(String, f64)], n: usize) -> String {
+    let mut parts: Vec<String> = crates
+        .iter()
+        .take(n)
+        .map(|(name, count)| format!("{name} {count:.0}"))
+        .collect();
+    let rest: f64 = crates.iter().skip(n).map(|c| c.1).sum();
+    if rest > 0.0 {
+        parts.push(format!("other {rest:.0}"));
+    }
+    parts.join(", ")
 }
 
 fn max_secs(args: &Args) -> f64 {
@@ -2234,7 +2275,21 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_ran, spread, Route};
+    use super::{check_ran, spread, top_crates, Route};
+
+    #[test]
+    fn the_largest_crates_are_named_and_the_rest_summed() {
+        let crates = [
+            ("h2", 9000.4),
+            ("std", 800.0),
+            ("tokio", 70.0),
+            ("bytes", 6.0),
+        ]
+        .map(|(n, c)| (n.to_string(), c));
+        assert_eq!(top_crates(&crates, 2), "h2 9000, std 800, other 76");
+        assert_eq!(top_crates(&crates[..1], 2), "h2 9000");
+        assert_eq!(top_crates(&[], 2), "");
+    }
 
     #[test]
     fn a_route_whose_proxy_did_not_run_for_its_answers_is_refused() {
