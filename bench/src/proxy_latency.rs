@@ -1926,10 +1926,10 @@ fn report_instructions(args: &Args, routes: &[Route], samples: &[Samples]) {
              a build without line tables counts under its binary):"
         );
         for (r, s) in routes.iter().zip(samples) {
-            for (side, crates) in ["client", "server"]
-                .iter()
-                .zip(&s.instructions_by_crate[ri])
-            {
+            let [client, server] = &s.instructions_by_crate[ri][..] else {
+                continue;
+            };
+            for (side, crates) in [("client", client), ("server", server)] {
                 println!(
                     "    {:<20} {}",
                     format!("{} {side}", r.name),

@@ -4,7 +4,8 @@
 //! socket's mark outlives its user, which the kernel forgets at close (a
 //! FIN queued behind data, a segment retransmitted after), so every
 //! connection the proxy opens goes through [`connect`]: its data path's
-//! and its control plane's alike.
+//! and its control plane's alike (the C library's name lookups aside:
+//! docs/interception.md).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
