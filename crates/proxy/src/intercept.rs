@@ -7,11 +7,11 @@
 //!   the socket's own address *is* the destination, which a listener can
 //!   accept only when it is transparent ([`bind_transparent`]). With no
 //!   connection tracking, `tether init` tells the proxy's packets from the
-//!   app's by their mark: every data-path socket the proxy then opens or
-//!   accepts carries [`PROXY_OWN_MARK`] ([`tether_identity::own_socket`]).
+//!   app's by their mark: every socket the proxy then opens or accepts
+//!   carries [`PROXY_OWN_MARK`] ([`tether_identity::own_socket`]).
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 
 use tether_core::marks::PROXY_OWN_MARK;
 use tether_identity::own_socket::{needs_capability, set_mark, socket_for};
@@ -73,35 +73,6 @@ fn redirected_dst(stream: &TcpStream) -> Option<SocketAddr> {
     )))
 }
 
-/// Sets an integer socket option; an error names what needs a capability.
-fn set_option(
-    fd: RawFd,
-    level: libc::c_int,
-    option: libc::c_int,
-    value: libc::c_int,
-) -> std::io::Result<()> {
-    // SAFETY: `fd` is an open socket its caller owns for the call, and the
-    // option's value is a c_int read for the call, whose size is passed.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            level,
-            option,
-            &value as *const libc::c_int as *const libc::c_void,
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        return Ok(());
-    }
-    let name = if level == libc::SOL_IPV6 {
-        "IPV6_TRANSPARENT"
-    } else {
-        "IP_TRANSPARENT"
-    };
-    Err(needs_capability(name, std::io::Error::last_os_error()))
-}
-
 /// Binds a transparent listener (`IP_TRANSPARENT`), which accepts the
 /// connections iptables' TPROXY diverts to it whatever address they were
 /// for, and announces it as [`tether_admin::bind`] does. It and the
@@ -115,11 +86,12 @@ pub async fn bind_transparent(
     let err = |source| BindError { what, addr, source };
     let socket = socket_for(addr).map_err(err)?;
     socket.set_reuseaddr(true).map_err(err)?;
-    let (level, option) = match addr {
-        SocketAddr::V4(_) => (libc::SOL_IP, libc::IP_TRANSPARENT),
-        SocketAddr::V6(_) => (libc::SOL_IPV6, libc::IPV6_TRANSPARENT),
+    let options = socket2::SockRef::from(&socket);
+    let (option, set) = match addr {
+        SocketAddr::V4(_) => ("IP_TRANSPARENT", options.set_ip_transparent_v4(true)),
+        SocketAddr::V6(_) => ("IPV6_TRANSPARENT", options.set_ip_transparent_v6(true)),
     };
-    set_option(socket.as_raw_fd(), level, option, 1).map_err(err)?;
+    set.map_err(|e| needs_capability(option, e)).map_err(err)?;
     // Accepted connections inherit the mark, and so do their handshakes'
     // replies and the resets the listener sends.
     set_mark(&socket, PROXY_OWN_MARK).map_err(err)?;
