@@ -1488,9 +1488,12 @@ async fn counts(route: &Route) -> anyhow::Result<Vec<f64>> {
 /// per two of them. At the warm-up's low rate each request wakes each
 /// proxy on its path; a proxy that did not run was gone around (a
 /// connection that escaped a redirect), and the route would measure a
-/// faster, cheaper path than it names.
+/// faster, cheaper path than it names. Over loopback the load dials the
+/// first proxy itself, so nothing can go around it; and under callgrind a
+/// proxy slowed some fifty times serves many requests per time slice, so
+/// the count would fail a route that is whole.
 fn check_ran(route: &Route, before: &[u64], report: &serde_json::Value) -> anyhow::Result<()> {
-    if route.pids.is_empty() || !route.counted.is_empty() {
+    if route.pids.is_empty() || !route.counted.is_empty() || route.client_ns.is_none() {
         return Ok(());
     }
     let answered = answered(route, report)?;
