@@ -1735,12 +1735,12 @@ fn profile(
     Ok(Some(PerfRecord(child)))
 }
 
-/// The system calls counted one by one (`syscalls:sys_enter_*`): those a
-/// proxy makes per request and per wake-up. Kinds this kernel lacks are
-/// left out; `raw_syscalls:sys_enter` counts every kind.
 /// The system calls that open a connection, printed however rare.
 const NEW_CONNECTIONS: &[&str] = &["accept4", "connect"];
 
+/// The system calls counted one by one (`syscalls:sys_enter_*`): those a
+/// proxy makes per request and per wake-up. Kinds this kernel lacks are
+/// left out; `raw_syscalls:sys_enter` counts every kind.
 const SYSCALL_KINDS: &[&str] = &[
     "read",
     "write",
@@ -1842,8 +1842,8 @@ system calls per request at {rate} req/s, both proxies (first repetition):"
     }
 }
 
-/// System calls per request by kind, the largest first as counted: those
-/// of 0.05 a request or more, and new connections however rare. These are
+/// System calls per request by kind, in the order given: those of 0.05 a
+/// request or more, and new connections however rare. These are
 /// rare by design, so any at all is news (a pool that lets its
 /// connections go pays a handshake for each).
 fn syscall_kinds(counts: &[(String, f64)]) -> String {
