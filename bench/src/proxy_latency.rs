@@ -2300,27 +2300,30 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
 mod tests {
     use super::{check_ran, spread, syscall_kinds, top_crates, Route};
 
+    /// Counts by name, as the reports take them.
+    fn named<const N: usize>(counts: [(&str, f64); N]) -> [(String, f64); N] {
+        counts.map(|(name, n)| (name.to_string(), n))
+    }
+
     #[test]
     fn new_connections_are_printed_however_rare_and_other_rare_calls_not() {
-        let counts = [
+        let counts = named([
             ("writev", 3.54),
             ("madvise", 0.01),
             ("connect", 0.0016),
             ("accept4", 0.0),
-        ]
-        .map(|(k, n)| (k.to_string(), n));
+        ]);
         assert_eq!(syscall_kinds(&counts), "writev 3.54, connect 0.0016");
     }
 
     #[test]
     fn the_largest_crates_are_named_and_the_rest_summed() {
-        let crates = [
+        let crates = named([
             ("h2", 9000.4),
             ("std", 800.0),
             ("tokio", 70.0),
             ("bytes", 6.0),
-        ]
-        .map(|(n, c)| (n.to_string(), c));
+        ]);
         assert_eq!(top_crates(&crates, 2), "h2 9000, std 800, other 76");
         assert_eq!(top_crates(&crates[..1], 2), "h2 9000");
         assert_eq!(top_crates(&[], 2), "");
