@@ -31,6 +31,9 @@
 //! `--compare-h1` adds an mTLS pair that speaks HTTP/1.1 between the
 //! proxies (the server proxy registered as not meshed) instead of HTTP/2:
 //! what HTTP/2 between proxies costs, measured, not a supported setting.
+//! It adds a plaintext pair that does the same, `plain,h1`: on the wire
+//! what the HAProxy pair does (plaintext HTTP/1.1 on every hop), so the
+//! two compare like for like.
 //!
 //! `--haproxy-mtls` adds an HAProxy pair that does what a Tether mTLS pair
 //! does on the wire (mutual TLS with ECDSA P-256 certificates, HTTP/2
@@ -238,7 +241,11 @@ fn variants(args: &Args) -> Vec<Variant> {
     if args.compare_h1 {
         out.push(Variant {
             h1_between: true,
-            ..v("mTLS,h1", &own, true, &[])
+            ..v(MTLS_H1, &own, true, &[])
+        });
+        out.push(Variant {
+            h1_between: true,
+            ..v(PLAIN_H1, &own, false, &[])
         });
     }
     if args.compare_explicit {
@@ -255,6 +262,11 @@ fn variants(args: &Args) -> Vec<Variant> {
     }
     out
 }
+
+/// `--compare-h1`'s pairs: HTTP/1.1 between the proxies, over mTLS and in
+/// plaintext (what the HAProxy pair speaks on every hop).
+const MTLS_H1: &str = "mTLS,h1";
+const PLAIN_H1: &str = "plain,h1";
 
 /// A compared build: `tether-proxy…` files run as the proxy-only binary,
 /// anything else as `tether proxy`.
@@ -279,6 +291,10 @@ usage: proxy-latency [--tether PATH] [--tether-proxy PATH] [--rates 1000,5000] [
 The flags and what each figure means: docs/benchmarks.md.";
 
 fn parse_args() -> anyhow::Result<Args> {
+    parse_args_from(std::env::args().skip(1))
+}
+
+fn parse_args_from(mut it: impl Iterator<Item = String>) -> anyhow::Result<Args> {
     let mut args = Args {
         tether: PathBuf::from("target/release/tether"),
         tether_proxy: None,
@@ -302,7 +318,6 @@ fn parse_args() -> anyhow::Result<Args> {
         callgrind: None,
         request_ids: false,
     };
-    let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
             println!("{USAGE}");
@@ -2298,11 +2313,33 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_ran, spread, syscall_kinds, top_crates, Route};
+    use super::{check_ran, parse_args_from, spread, syscall_kinds, top_crates, variants, Route};
 
     /// Counts by name, as the reports take them.
     fn named<const N: usize>(counts: [(&str, f64); N]) -> [(String, f64); N] {
         counts.map(|(name, n)| (name.to_string(), n))
+    }
+
+    /// `--compare-h1` measures HTTP/1.1 between the proxies over mTLS, and
+    /// in plaintext: the pair that speaks what HAProxy's does.
+    #[test]
+    fn compare_h1_adds_an_mtls_and_a_plaintext_pair_speaking_http1_between() {
+        let pairs = |flags: &[&str]| {
+            let args = parse_args_from(flags.iter().map(|f| f.to_string())).unwrap();
+            variants(&args)
+                .into_iter()
+                .map(|v| (v.name, v.tls, v.h1_between))
+                .collect::<Vec<_>>()
+        };
+        let default = vec![
+            ("tether".to_string(), false, false),
+            ("tether+mTLS".to_string(), true, false),
+        ];
+        assert_eq!(pairs(&[]), default);
+        let mut with_h1 = default;
+        with_h1.push(("mTLS,h1".to_string(), true, true));
+        with_h1.push(("plain,h1".to_string(), false, true));
+        assert_eq!(pairs(&["--compare-h1"]), with_h1);
     }
 
     #[test]
