@@ -31,9 +31,9 @@
 //! `--compare-h1` adds an mTLS pair that speaks HTTP/1.1 between the
 //! proxies (the server proxy registered as not meshed) instead of HTTP/2:
 //! what HTTP/2 between proxies costs, measured, not a supported setting.
-//! It adds a plaintext pair that does the same, `plain,h1`: on the wire
-//! what the HAProxy pair does (plaintext HTTP/1.1 on every hop), so the
-//! two compare like for like.
+//! It adds a plaintext pair that does the same, `plain,h1`: the protocol
+//! the HAProxy pair speaks on every hop (plaintext HTTP/1.1), so the two
+//! compare like for like.
 //!
 //! `--haproxy-mtls` adds an HAProxy pair that does what a Tether mTLS pair
 //! does on the wire (mutual TLS with ECDSA P-256 certificates, HTTP/2
